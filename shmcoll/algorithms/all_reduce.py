@@ -1,0 +1,57 @@
+"""all_reduce algorithms over an Arena.
+
+Both reduce every element over ranks 0..N-1 in rank order in one kernel call (fp16/bf16
+accumulate in fp32 and round once), so every rank ends with bitwise-identical bytes.
+"""
+
+from ..kernels import reduce_into
+
+__all__ = ["all_reduce_one_shot", "all_reduce_two_shot"]
+
+
+def all_reduce_one_shot(arena, buf, spec):
+    """Every rank reduces every slot (latency-optimal: one wait per chunk).
+
+    Steps per chunk: 1. Bytes per rank per chunk of S bytes: copy in S, read N*S, write S.
+    1. copy the chunk into my slot; post.
+    2. wait for all peers; reduce all N slots, in rank order, into my buffer.
+    """
+    itemsize = buf.itemsize
+    per = arena.slot_nbytes // itemsize
+    for start in range(0, buf.size, per):
+        n = min(per, buf.size - start)
+        i = arena.next_slot()
+        arena.claim(i)[:n * itemsize].view(buf.dtype)[:] = buf[start:start + n]
+        arena.post(i)
+        arena.wait_all()
+        reduce_into(buf[start:start + n], arena.slot_addrs(i), spec.op, spec.kind, spec.pre, spec.post)
+
+
+def all_reduce_two_shot(arena, buf, spec):
+    """Reduce-scatter then all-gather through the slots (bandwidth-optimal for large N*S).
+
+    Steps per chunk: 2. Bytes per rank per chunk of S bytes: copy in S, read S (N slices of
+    S/N), write S/N, read S (gather).
+    1. copy the chunk into my slot; post.
+    2. wait for all; reduce slice[rank] of every slot into slice[rank] of my own slot (peers
+       read other slices of my slot meanwhile: disjoint); post.
+    3. wait for all; copy slice[j] of rank j's slot into my buffer, for every j.
+    """
+    itemsize, rank, world = buf.itemsize, arena.rank, arena.world_size
+    per = arena.slot_nbytes // itemsize
+    for start in range(0, buf.size, per):
+        n = min(per, buf.size - start)
+        i = arena.next_slot()
+        mine = arena.claim(i)[:n * itemsize].view(buf.dtype)
+        mine[:] = buf[start:start + n]
+        arena.post(i)
+        arena.wait_all()
+        lo, hi = n * rank // world, n * (rank + 1) // world
+        if hi > lo:
+            reduce_into(mine[lo:hi], arena.slot_addrs(i) + lo * itemsize,
+                        spec.op, spec.kind, spec.pre, spec.post)
+        arena.post(i)
+        arena.wait_all()
+        for j in range(world):
+            lo, hi = n * j // world, n * (j + 1) // world
+            buf[start + lo:start + hi] = arena.slot(i, j)[lo * itemsize:hi * itemsize].view(buf.dtype)

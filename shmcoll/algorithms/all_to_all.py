@@ -1,0 +1,46 @@
+"""all_to_all algorithms over an Arena (byte-level, uneven splits allowed)."""
+
+import numpy as np
+
+__all__ = ["all_to_all_direct"]
+
+
+def all_to_all_direct(arena, ins, outs):
+    """Rank r sends ins[j] to rank j and receives outs[j] from rank j.
+
+    Split sizes may differ per pair. Steps: 1 (size exchange) + 1 per chunk.
+    1. write my send and receive sizes (2N int64) into my slot; post; wait for all; check
+       the whole matrix (every rank raises the same ValueError on a mismatch, so none is
+       left waiting) and take the group's largest message as the chunk count.
+    2. per chunk: copy piece c of every ins[j] into sub-slot j of my slot; post; wait for
+       all; copy sub-slot[rank] of rank j's slot into outs[j].
+    """
+    world, rank = arena.world_size, arena.rank
+    i = arena.next_slot()
+    table = arena.claim(i)[:2 * world * 8].view(np.int64)
+    table[:world] = [a.size for a in ins]
+    table[world:] = [a.size for a in outs]
+    arena.post(i)
+    arena.wait_all()
+    # Every rank checks the whole send/receive matrix, so all ranks raise together.
+    sends = np.stack([arena.slot(i, j)[:world * 8].view(np.int64) for j in range(world)])
+    recvs = np.stack([arena.slot(i, j)[world * 8:2 * world * 8].view(np.int64)
+                      for j in range(world)])
+    bad = np.argwhere(sends != recvs.T)
+    if bad.size:
+        a, b = (int(v) for v in bad[0])
+        raise ValueError(f"all_to_all: rank {a} sends {int(sends[a, b])} bytes to rank {b}, "
+                         f"which expects {int(recvs[b, a])}")
+    longest = int(sends.max()) if sends.size else 0
+    per = arena.slot_nbytes // world
+    for start in range(0, longest, per):
+        i = arena.next_slot()
+        mine = arena.claim(i)
+        for j, piece in enumerate(ins):
+            n = max(0, min(per, piece.size - start))
+            mine[j * per:j * per + n] = piece[start:start + n]
+        arena.post(i)
+        arena.wait_all()
+        for j, out in enumerate(outs):
+            n = max(0, min(per, out.size - start))
+            out[start:start + n] = arena.slot(i, j)[rank * per:rank * per + n]

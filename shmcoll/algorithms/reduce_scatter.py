@@ -1,0 +1,32 @@
+"""reduce_scatter algorithms over an Arena."""
+
+from ..kernels import reduce_into
+
+__all__ = ["reduce_scatter_direct"]
+
+
+def reduce_scatter_direct(arena, blocks, out, spec):
+    """Rank r ends with the reduction over ranks of everyone's block r.
+
+    `blocks[j]`: my contribution to rank j (1-D, typed; lengths may differ per j but are the
+    same on every rank); `out`: my result, len(blocks[rank]) elements.
+    Steps per chunk: 1. Bytes: write S (one piece of every block), read N*S/N.
+    1. copy piece c of every block j into sub-slot j of my slot; post.
+    2. wait for all; reduce sub-slot[rank] of every slot, in rank order, into my output.
+    """
+    world, rank = arena.world_size, arena.rank
+    itemsize = out.itemsize
+    per = arena.slot_nbytes // (itemsize * world)  # elements of each block per chunk
+    longest = max(b.size for b in blocks)
+    for start in range(0, longest, per):
+        i = arena.next_slot()
+        mine = arena.claim(i).view(out.dtype)
+        for j, block in enumerate(blocks):
+            n = max(0, min(per, block.size - start))
+            mine[j * per:j * per + n] = block[start:start + n]
+        arena.post(i)
+        arena.wait_all()
+        n = max(0, min(per, out.size - start))
+        if n:
+            reduce_into(out[start:start + n], arena.slot_addrs(i) + rank * per * itemsize,
+                        spec.op, spec.kind, spec.pre, spec.post)

@@ -1,0 +1,150 @@
+"""Acquire/release atomics, a CPU pause and the spin/yield wait loop, as numba intrinsics.
+
+Why intrinsics: a numba array load in a spin loop is an ordinary load that LLVM may hoist out
+of the loop, and a Python-level store gives no ordering guarantee at all (vLLM #27858/#56251).
+These emit `load atomic ... acquire`, `store atomic ... release` and the architecture's spin
+hint, so the protocol in protocol.py holds on weakly ordered CPUs too, not just on x86-TSO.
+
+Everything operates on raw int64 addresses (from `ndarray.ctypes.data`) so one compiled
+function serves every segment, every rank count and the in-process arena alike.
+"""
+
+import platform
+
+import numba
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+__all__ = [
+    "load_acquire",
+    "store_release",
+    "cpu_pause",
+    "wait_all_ge",
+    "add_release",
+    "sched_yield",
+    "read_acquire",
+    "write_release",
+]
+
+_IS_X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+
+
+
+def _i64_ptr(builder, addr):
+    return builder.inttoptr(addr, ir.IntType(64).as_pointer())
+
+
+@intrinsic
+def load_acquire(typingctx, addr):
+    """Atomic 64-bit load with acquire ordering from address `addr`."""
+    if not isinstance(addr, types.Integer):
+        return None
+    sig = types.int64(types.int64)
+
+    def codegen(context, builder, signature, args):
+        return builder.load_atomic(_i64_ptr(builder, args[0]), "acquire", 8)
+
+    return sig, codegen
+
+
+@intrinsic
+def store_release(typingctx, addr, value):
+    """Atomic 64-bit store of `value` at `addr` with release ordering."""
+    if not isinstance(addr, types.Integer) or not isinstance(value, types.Integer):
+        return None
+    sig = types.void(types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        builder.store_atomic(args[1], _i64_ptr(builder, args[0]), "release", 8)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def add_release(typingctx, addr, value):
+    """Atomic fetch-add (acq_rel) of `value` at `addr`; returns the new value."""
+    sig = types.int64(types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        old = builder.atomic_rmw("add", _i64_ptr(builder, args[0]), args[1], "acq_rel")
+        return builder.add(old, args[1])
+
+    return sig, codegen
+
+
+@intrinsic
+def cpu_pause(typingctx):
+    """Spin-wait hint: x86 `pause`, aarch64 `yield`; tells the core we are spinning."""
+    sig = types.void()
+
+    def codegen(context, builder, signature, args):
+        # An LLVM intrinsic, not inline asm: numba's object-code cache cannot emit asm.
+        if _IS_X86:
+            fnty = ir.FunctionType(ir.VoidType(), [])
+            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.sse2.pause")
+            builder.call(fn, [])
+        else:  # aarch64 `yield` is hint #1
+            fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(32)])
+            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.aarch64.hint")
+            builder.call(fn, [ir.Constant(ir.IntType(32), 1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def sched_yield(typingctx):
+    """Call libc sched_yield() (declared as an external symbol so the function stays cacheable)."""
+    sig = types.int32()
+
+    def codegen(context, builder, signature, args):
+        fnty = ir.FunctionType(ir.IntType(32), [])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "sched_yield")
+        return builder.call(fn, [])
+
+    return sig, codegen
+
+
+@numba.njit(nogil=True, cache=True)
+def wait_all_ge(addrs, target, spins, yields, abort_addr):
+    """Wait until every word at `addrs` is >= target, or give up.
+
+    Tier 1: up to `spins` polls with a pause hint; tier 2: up to `yields` polls each
+    followed by sched_yield (the right thing when ranks outnumber cores). Returns -1 when
+    all words reached `target`, -2 when the abort word at `abort_addr` became non-zero,
+    else the index of the first word still below `target` (the caller then checks its
+    deadline and peer liveness and calls again, possibly sleeping in between).
+    """
+    n = addrs.shape[0]
+    k = 0
+    budget = spins + yields
+    used = 0
+    while k < n:
+        if load_acquire(addrs[k]) >= target:
+            k += 1
+            continue
+        if used >= budget:
+            return k
+        if load_acquire(abort_addr) != 0:
+            return -2
+        if used < spins:
+            cpu_pause()
+        else:
+            sched_yield()
+        used += 1
+    return -1
+
+
+@numba.njit(nogil=True, cache=True)
+def read_acquire(addr):
+    """Python-callable acquire load of the int64 at `addr`."""
+    return load_acquire(addr)
+
+
+@numba.njit(nogil=True, cache=True)
+def write_release(addr, value):
+    """Python-callable release store of `value` into the int64 at `addr`."""
+    store_release(addr, value)

@@ -1,0 +1,404 @@
+"""Group: the engine interface (numpy in, numpy out) — validate, sequence, select, run, poison.
+
+A Group runs one collective at a time, in call order; every rank must call the same
+collectives in the same order (a CollectiveMismatchError says when they do not). Timeouts,
+lost peers and aborts *poison* the group: every later call re-raises the first such error.
+Argument errors and mismatches leave it usable (no shared state changed).
+"""
+
+import collections
+import logging
+import os
+import time
+
+import numpy as np
+
+from . import algorithms
+from .errors import CollectiveMismatchError, CollectiveTimeoutError, ShmcollError
+from .ops import DTYPE_BY_CODE, ReduceOp, dtype_of, reduce_spec
+
+__all__ = ["Group", "COLLECTIVES"]
+
+log = logging.getLogger("shmcoll")
+
+# Fingerprint codes of the collectives (word 0 of a fingerprint).
+COLLECTIVES = ("barrier", "all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter",
+               "gather", "scatter", "all_to_all")
+_CODE = {name: i + 1 for i, name in enumerate(COLLECTIVES)}
+FLIGHT_RECORD_LEN = 64
+
+
+def describe_fingerprint(fp):
+    """Render (collective, dtype, count, root, op, extra) for error messages."""
+    coll, dtype, count, root, op, _extra = (list(fp) + [0] * 6)[:6]
+    name = COLLECTIVES[coll - 1] if 0 < coll <= len(COLLECTIVES) else f"collective#{coll}"
+    parts = []
+    if dtype in DTYPE_BY_CODE:
+        parts.append(DTYPE_BY_CODE[dtype].name)
+    parts.append(f"count={count}")
+    if name in ("broadcast", "reduce", "gather", "scatter"):
+        parts.append(f"root={root}")
+    if name in ("all_reduce", "reduce", "reduce_scatter"):
+        parts.append(f"op={ReduceOp(op).name if op in ReduceOp._value2member_map_ else op}")
+    return f"{name}({', '.join(parts)})"
+
+
+def is_oversubscribed(ranks_here):
+    """True when this host runs more busy ranks than we may use cores (then: never spin)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return ranks_here > cores
+
+
+class _Flat:
+    """A 1-D contiguous view of an array; a temporary copy for strided ones, written back."""
+
+    __slots__ = ("array", "flat", "_copied")
+
+    def __init__(self, array, storage, copy_in=True):
+        self.array = array
+        if array.flags.c_contiguous:
+            self.flat = array.reshape(-1).view(storage)
+            self._copied = False
+        else:
+            tmp = np.ascontiguousarray(array) if copy_in else np.empty(array.shape, array.dtype)
+            self.flat = tmp.reshape(-1).view(storage)
+            self._copied = True
+
+    def write_back(self):
+        if self._copied:
+            self.array[...] = self.flat.view(self.array.dtype).reshape(self.array.shape)
+
+
+def _bytes(array):
+    """Flat uint8 view of a C-contiguous array (callers make it contiguous first)."""
+    return array.reshape(-1).view(np.uint8)
+
+
+class Group:
+    """Collectives among `world_size` ranks over an Arena (None when world_size == 1).
+
+    Arrays are numpy arrays of any supported dtype; pass dtype="bfloat16" for bf16 data held
+    as uint16. Results are written in place; strided arrays are supported (only the elements
+    of the view are written). Every method takes an optional `timeout_s`.
+    """
+
+    def __init__(self, arena, rank, world_size, timeout_s=1800.0, direct_max_nbytes=-1,
+                 closers=(), name="", aborter=None):
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout_s = float(timeout_s)
+        self.name = name
+        self._arena = arena
+        self._direct_max = direct_max_nbytes
+        self._closers = list(closers)
+        self._aborter = aborter
+        self._seq = 0
+        self._poison = None
+        self._closed = False
+        self.flight_record = collections.deque(maxlen=FLIGHT_RECORD_LEN)
+
+    # -- state -----------------------------------------------------------------------
+
+    @property
+    def seq(self):
+        """Number of collectives issued on this group (equal on every rank)."""
+        return self._seq
+
+    @property
+    def poisoned(self):
+        return self._poison
+
+    def _usable(self, name):
+        if self._closed:
+            raise ShmcollError(f"{name}: the group was closed")
+        if self._poison is not None:
+            raise type(self._poison)(str(self._poison))
+
+    def _run(self, name, fp, algo, *args, timeout_s=None, nbytes=0):
+        """Sequence, frame and run one collective; poison the group on fatal errors."""
+        self._seq += 1
+        seq = self._seq
+        entry = {"seq": seq, "op": name, "nbytes": nbytes, "state": "started",
+                 "t_start": time.time(), "t_end": None}
+        self.flight_record.append(entry)
+        if self._arena is None:  # world_size 1: local semantics, no shared memory
+            algo(None, *args)
+            entry.update(state="completed", t_end=time.time())
+            return
+        timeout_s = self.timeout_s if timeout_s is None else float(timeout_s)
+        self._arena.begin(seq, name, (_CODE[name],) + tuple(fp), timeout_s)
+        step0 = self._arena.step
+        try:
+            algo(self._arena, *args)
+            if self._arena.step == step0:
+                # Nothing to move (count 0): still one post/wait, so every collective checks
+                # fingerprints and a rank whose count is not 0 cannot be left waiting.
+                _noop(self._arena)
+        except CollectiveMismatchError:
+            entry.update(state="mismatch", t_end=time.time())
+            raise
+        except ValueError:
+            entry.update(state="invalid", t_end=time.time())
+            raise
+        except BaseException as e:
+            entry.update(state="failed", t_end=time.time())
+            self._poison = e
+            self._arena.set_state(1)  # STATE_ABORTED: peers waiting for us fail fast
+            if isinstance(e, CollectiveTimeoutError):
+                self.dump_flight_record()
+            raise
+        entry.update(state="completed", t_end=time.time())
+
+    def dump_flight_record(self, logger=log):
+        """Log the last collectives of this rank (seq, op, bytes, state, timestamps)."""
+        logger.error("shmcoll group %r rank %d: last %d collectives:", self.name, self.rank,
+                     len(self.flight_record))
+        for e in self.flight_record:
+            took = f"{(e['t_end'] - e['t_start']) * 1e3:.3f} ms" if e["t_end"] else "unfinished"
+            logger.error("  seq %d %s %d bytes %s (%s)", e["seq"], e["op"], e["nbytes"],
+                         e["state"], took)
+        if self._arena is not None:
+            for r, posted, seq, state in self._arena.peer_states():
+                logger.error("  rank %d: step %d, seq %d, state %d", r, posted, seq, state)
+
+    def _root(self, name, root):
+        if not 0 <= root < self.world_size:
+            raise ValueError(f"{name}: invalid root rank {root} (world size {self.world_size})")
+
+    def _select(self, name, nbytes):
+        return algorithms.select(name, nbytes, self.world_size, self._direct_max)
+
+    # -- collectives ---------------------------------------------------------------------
+
+    def barrier(self, timeout_s=None):
+        self._usable("barrier")
+        self._run("barrier", (), self._select("barrier", 0), timeout_s=timeout_s)
+
+    def all_reduce(self, array, op=ReduceOp.SUM, dtype=None, timeout_s=None, premul=1.0):
+        """Reduce `array` over all ranks, in place."""
+        self._usable("all_reduce")
+        dt = dtype_of(array, dtype)
+        spec = reduce_spec(op, dt, self.world_size, "all_reduce", premul)
+        f = _Flat(array, dt.storage)
+        nbytes = f.flat.nbytes
+        algo = _local_reduce if self._arena is None else self._select("all_reduce", nbytes)
+        self._run("all_reduce", (dt.code, f.flat.size, 0, int(op)), algo, f.flat, spec,
+                  timeout_s=timeout_s, nbytes=nbytes)
+        f.write_back()
+        return array
+
+    def broadcast(self, array, root=0, timeout_s=None):
+        """Copy `array` from `root` to every rank, in place."""
+        self._usable("broadcast")
+        self._root("broadcast", root)
+        f = _Flat(array, array.dtype, copy_in=(self.rank == root))
+        self._run("broadcast", (_code_of(array), f.flat.size, root, 0),
+                  self._select("broadcast", f.flat.nbytes), _bytes(f.flat), root,
+                  timeout_s=timeout_s, nbytes=f.flat.nbytes)
+        if self.rank != root:
+            f.write_back()
+        return array
+
+    def reduce(self, array, root=0, op=ReduceOp.SUM, dtype=None, timeout_s=None, premul=1.0):
+        """Reduce `array` over all ranks into `root`'s array (others keep theirs)."""
+        self._usable("reduce")
+        self._root("reduce", root)
+        dt = dtype_of(array, dtype)
+        spec = reduce_spec(op, dt, self.world_size, "reduce", premul)
+        f = _Flat(array, dt.storage)
+        algo = _local_reduce_rooted if self._arena is None else self._select("reduce", f.flat.nbytes)
+        self._run("reduce", (dt.code, f.flat.size, root, int(op)), algo, f.flat, root, spec,
+                  timeout_s=timeout_s, nbytes=f.flat.nbytes)
+        if self.rank == root:
+            f.write_back()
+        return array
+
+    def all_gather(self, outs, array, timeout_s=None):
+        """outs[j] (list of world_size arrays, or one array of world_size * array.size
+        elements) receives rank j's `array`."""
+        self._usable("all_gather")
+        outs = self._split_out("all_gather", outs, array)
+        src = np.ascontiguousarray(array)
+        flats = [_Flat(o, o.dtype, copy_in=False) for o in outs]
+        self._run("all_gather", (_code_of(array), src.size, 0, 0),
+                  _local_all_gather if self._arena is None else self._select("all_gather", src.nbytes),
+                  _bytes(src), [_bytes(f.flat) for f in flats], timeout_s=timeout_s,
+                  nbytes=src.nbytes)
+        for f in flats:
+            f.write_back()
+        return outs
+
+    def reduce_scatter(self, out, ins, op=ReduceOp.SUM, dtype=None, timeout_s=None, premul=1.0):
+        """out = reduction over ranks of their ins[rank]; `ins` is a list of world_size
+        arrays (sizes may differ per destination) or one array of world_size * out.size."""
+        self._usable("reduce_scatter")
+        dt = dtype_of(out, dtype)
+        spec = reduce_spec(op, dt, self.world_size, "reduce_scatter", premul)
+        ins = self._split_in("reduce_scatter", ins, out)
+        blocks = [np.ascontiguousarray(a).reshape(-1).view(dt.storage) for a in ins]
+        f = _Flat(out, dt.storage, copy_in=False)
+        sizes = tuple(b.size for b in blocks)
+        algo = _local_reduce_scatter if self._arena is None else self._select("reduce_scatter", 0)
+        self._run("reduce_scatter", (dt.code, sum(sizes), 0, int(op), hash(sizes) & 0x7FFFFFFF),
+                  algo, blocks, f.flat, spec, timeout_s=timeout_s,
+                  nbytes=sum(b.nbytes for b in blocks))
+        f.write_back()
+        return out
+
+    def gather(self, array, outs=None, root=0, timeout_s=None):
+        """Root's outs[j] receives rank j's array; non-roots pass outs=None."""
+        self._usable("gather")
+        self._root("gather", root)
+        src = np.ascontiguousarray(array)
+        flats = []
+        if self.rank == root:
+            outs = self._split_out("gather", outs, array)
+            flats = [_Flat(o, o.dtype, copy_in=False) for o in outs]
+        self._run("gather", (_code_of(array), src.size, root, 0),
+                  _local_all_gather_rooted if self._arena is None else self._select("gather", 0),
+                  _bytes(src), [_bytes(f.flat) for f in flats], root, timeout_s=timeout_s,
+                  nbytes=src.nbytes)
+        for f in flats:
+            f.write_back()
+        return outs
+
+    def scatter(self, out, ins=None, root=0, timeout_s=None):
+        """Rank j's `out` receives root's ins[j]; non-roots pass ins=None."""
+        self._usable("scatter")
+        self._root("scatter", root)
+        pieces = []
+        if self.rank == root:
+            pieces = [_bytes(np.ascontiguousarray(a)) for a in self._split_in("scatter", ins, out)]
+        f = _Flat(out, out.dtype, copy_in=False)
+        self._run("scatter", (_code_of(out), f.flat.size, root, 0),
+                  _local_scatter if self._arena is None else self._select("scatter", 0),
+                  pieces, _bytes(f.flat), root, timeout_s=timeout_s, nbytes=f.flat.nbytes)
+        f.write_back()
+        return out
+
+    def all_to_all(self, outs, ins, timeout_s=None):
+        """outs[j] receives rank j's ins[rank]; sizes may differ per pair (must agree)."""
+        self._usable("all_to_all")
+        if len(ins) != self.world_size or len(outs) != self.world_size:
+            raise ValueError(f"all_to_all: expected {self.world_size} inputs and outputs, got "
+                             f"{len(ins)} and {len(outs)}")
+        src = [_bytes(np.ascontiguousarray(a)) for a in ins]
+        flats = [_Flat(o, o.dtype, copy_in=False) for o in outs]
+        self._run("all_to_all", (_code_of(outs[0]) if outs else 0, 0, 0, 0),
+                  _local_all_to_all if self._arena is None else self._select("all_to_all", 0),
+                  src, [_bytes(f.flat) for f in flats], timeout_s=timeout_s,
+                  nbytes=sum(s.size for s in src))
+        for f in flats:
+            f.write_back()
+        return outs
+
+    # -- list helpers --------------------------------------------------------------------
+
+    def _split_out(self, name, outs, array):
+        if isinstance(outs, np.ndarray):
+            if outs.size != self.world_size * array.size:
+                raise ValueError(f"{name}: output has {outs.size} elements, expected "
+                                 f"{self.world_size} x {array.size}")
+            outs = np.split(outs.reshape(-1), self.world_size) if outs.size else \
+                [outs.reshape(-1)] * self.world_size
+        if len(outs) != self.world_size:
+            raise ValueError(f"{name}: expected {self.world_size} outputs, got {len(outs)}")
+        for o in outs:
+            if o.nbytes != array.nbytes:
+                raise ValueError(f"{name}: output has {o.nbytes} bytes, input {array.nbytes}")
+        return outs
+
+    def _split_in(self, name, ins, out):
+        if isinstance(ins, np.ndarray):
+            if ins.size != self.world_size * out.size:
+                raise ValueError(f"{name}: input has {ins.size} elements, expected "
+                                 f"{self.world_size} x {out.size}")
+            ins = np.split(ins.reshape(-1), self.world_size) if ins.size else \
+                [ins.reshape(-1)] * self.world_size
+        if len(ins) != self.world_size:
+            raise ValueError(f"{name}: expected {self.world_size} inputs, got {len(ins)}")
+        if ins[self.rank].size != out.size:
+            raise ValueError(f"{name}: input for rank {self.rank} has {ins[self.rank].size} "
+                             f"elements, output {out.size}")
+        return ins
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def abort(self):
+        """Wake any collective blocked in this group (from any thread); poisons the group."""
+        if self._arena is not None:
+            self._arena.set_state(1)
+        if self._aborter is not None:
+            self._aborter()
+        if self._poison is None:
+            from .errors import GroupAbortedError
+            self._poison = GroupAbortedError(f"group {self.name!r} was aborted on rank {self.rank}")
+
+    def close(self):
+        """Tell peers we left, release every resource; idempotent. Keeps the first error."""
+        if self._closed:
+            return
+        self._closed = True
+        first = None
+        if self._arena is not None:
+            try:
+                self._arena.set_state(2)
+            except Exception as e:
+                first = e
+        self._arena = None
+        for closer in self._closers:
+            try:
+                closer()
+            except Exception as e:
+                first = first or e
+        self._closers = []
+        if first is not None:
+            raise first
+
+
+def _code_of(array):
+    try:
+        return dtype_of(array).code
+    except TypeError:
+        return 0
+
+
+def _noop(arena, *args):
+    arena.post()
+    arena.wait_all()
+
+
+# world_size == 1: the same semantics without any shared memory.
+def _local_reduce(arena, flat, spec):
+    if flat.size and (spec.pre != 1.0 or spec.post != 1.0):
+        from .kernels import reduce_into
+        reduce_into(flat, np.array([flat.ctypes.data], np.int64), spec.op, spec.kind,
+                    spec.pre, spec.post)
+
+
+def _local_reduce_rooted(arena, flat, root, spec):
+    _local_reduce(arena, flat, spec)
+
+
+def _local_all_gather(arena, src, outs):
+    outs[0][:] = src
+
+
+def _local_all_gather_rooted(arena, src, outs, root):
+    outs[0][:] = src
+
+
+def _local_reduce_scatter(arena, blocks, out, spec):
+    out[:] = blocks[0]
+    _local_reduce(arena, out, spec)
+
+
+def _local_scatter(arena, pieces, out, root):
+    out[:] = pieces[0]
+
+
+def _local_all_to_all(arena, src, outs):
+    outs[0][:] = src[0]

@@ -1,0 +1,116 @@
+"""Reduce ops, supported dtypes, and the (op, dtype) -> kernel spec table."""
+
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import kernels
+
+__all__ = ["ReduceOp", "DTYPES", "DType", "ReduceSpec", "reduce_spec", "dtype_of"]
+
+
+class ReduceOp(enum.IntEnum):
+    """Reduction ops, spelled as torch.distributed.ReduceOp."""
+
+    SUM = 0
+    AVG = 1
+    PRODUCT = 2
+    MIN = 3
+    MAX = 4
+    BAND = 5
+    BOR = 6
+    BXOR = 7
+    PREMUL_SUM = 8
+
+
+@dataclass(frozen=True)
+class DType:
+    """One element type: its name, numpy storage dtype, kernel kind and fingerprint code."""
+
+    name: str
+    storage: np.dtype
+    kind: str
+    code: int
+
+
+DTYPES = {d.name: d for d in (
+    DType("float16", np.dtype(np.uint16), "float16", 1),
+    DType("bfloat16", np.dtype(np.uint16), "bfloat16", 2),
+    DType("float32", np.dtype(np.float32), "float", 3),
+    DType("float64", np.dtype(np.float64), "float", 4),
+    DType("complex64", np.dtype(np.complex64), "complex", 5),
+    DType("complex128", np.dtype(np.complex128), "complex", 6),
+    DType("int8", np.dtype(np.int8), "int", 7),
+    DType("uint8", np.dtype(np.uint8), "int", 8),
+    DType("int16", np.dtype(np.int16), "int", 9),
+    DType("int32", np.dtype(np.int32), "int", 10),
+    DType("int64", np.dtype(np.int64), "int", 11),
+    DType("bool", np.dtype(np.uint8), "bool", 12),
+)}
+DTYPE_BY_CODE = {d.code: d for d in DTYPES.values()}
+
+_NUMPY_NAMES = {"float16", "float32", "float64", "complex64", "complex128", "int8", "uint8",
+                "int16", "int32", "int64", "bool"}
+
+_OPS_BY_KIND = {
+    "float": {ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX,
+              ReduceOp.PREMUL_SUM},
+    "complex": {ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT, ReduceOp.PREMUL_SUM},
+    "int": {ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.BAND,
+            ReduceOp.BOR, ReduceOp.BXOR},
+    "bool": {ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.BAND,
+             ReduceOp.BOR, ReduceOp.BXOR},
+}
+_OPS_BY_KIND["float16"] = _OPS_BY_KIND["bfloat16"] = _OPS_BY_KIND["float"]
+
+_KERNEL_OP = {
+    ReduceOp.SUM: kernels.OP_SUM, ReduceOp.AVG: kernels.OP_SUM,
+    ReduceOp.PREMUL_SUM: kernels.OP_SUM, ReduceOp.PRODUCT: kernels.OP_PRODUCT,
+    ReduceOp.MIN: kernels.OP_MIN, ReduceOp.MAX: kernels.OP_MAX, ReduceOp.BAND: kernels.OP_BAND,
+    ReduceOp.BOR: kernels.OP_BOR, ReduceOp.BXOR: kernels.OP_BXOR,
+}
+# bool reduces as logical ops on 0/1 bytes: SUM/MAX are "any", PRODUCT/MIN are "all".
+_BOOL_OP = {ReduceOp.SUM: kernels.OP_BOR, ReduceOp.MAX: kernels.OP_BOR,
+            ReduceOp.PRODUCT: kernels.OP_BAND, ReduceOp.MIN: kernels.OP_BAND}
+
+
+@dataclass(frozen=True)
+class ReduceSpec:
+    """Everything a reduction kernel call needs: kind, kernel op code and pre/post scales."""
+
+    kind: str
+    op: int
+    pre: float = 1.0
+    post: float = 1.0
+
+
+def dtype_of(array, dtype=None):
+    """The DType of a numpy array; `dtype` names an override (e.g. 'bfloat16' over uint16)."""
+    if dtype is not None:
+        d = DTYPES.get(str(dtype))
+        if d is None:
+            raise TypeError(f"dtype {dtype} is not supported (supported: {', '.join(DTYPES)})")
+        if array.dtype.itemsize != d.storage.itemsize:
+            raise TypeError(f"dtype {dtype} needs {d.storage.itemsize}-byte elements, "
+                            f"the array has {array.dtype.itemsize}-byte {array.dtype}")
+        return d
+    name = array.dtype.name
+    if name not in _NUMPY_NAMES:
+        raise TypeError(f"dtype {name} is not supported (supported: {', '.join(DTYPES)})")
+    return DTYPES[name]
+
+
+def reduce_spec(op, dtype, world_size, collective="all_reduce", premul=1.0):
+    """Map (op, dtype) to a ReduceSpec, or raise TypeError naming the supported ops."""
+    op = ReduceOp(op)
+    allowed = _OPS_BY_KIND[dtype.kind]
+    if op not in allowed:
+        names = ", ".join(o.name for o in sorted(allowed))
+        raise TypeError(f"{collective}: op {op.name} is not supported for dtype {dtype.name} "
+                        f"(supported: {names})")
+    if dtype.kind == "bool":
+        return ReduceSpec("bool", _BOOL_OP.get(op, _KERNEL_OP[op]))
+    pre = float(premul) if op == ReduceOp.PREMUL_SUM else 1.0
+    post = 1.0 / world_size if op == ReduceOp.AVG else 1.0
+    return ReduceSpec(dtype.kind, _KERNEL_OP[op], pre, post)

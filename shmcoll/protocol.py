@@ -1,0 +1,336 @@
+"""The collective protocol: region layout, step counters, fingerprints and slot reuse rules.
+
+Every rank owns one *region* (a POSIX segment for processes, see shm.py; a plain numpy buffer
+for threads, see threaded_pg). Every rank maps every peer's region. Vocabulary: *region* = one
+rank's memory; *slot* = one of the region's data buffers; *chunk* = the part of a collective
+that fits in a slot; *step* = one post/wait round; *seq* = the collective sequence number.
+
+Region layout (all offsets in bytes; every control word on its own 128-byte line so that two
+ranks' writers never share a cache line, nor do adjacent-line prefetches pair them):
+
+    0      +-------------------------------------------------------------+
+           | header (HEADER_NBYTES = 4096)                               |
+           |   0 magic u64 'SHMCOLL\\x01'   8 layout version u64          |
+           |  16 group token (16 B)        32 world_size  40 rank         |
+           |  48 owner pid  56 region nbytes  64 slot nbytes  72 nslots   |
+    4096   +-------------------------------------------------------------+
+           | control block: CTRL_LINES lines x 128 B, one i64 per line    |
+           |   line 0  POSTED  monotonic step counter (only owner writes) |
+           |   line 1  STATE   0 = live, 1 = aborted, 2 = closed          |
+           |   line 2  SEQ     seq of the collective the owner is in      |
+           |   line 4+k FP[k]  fingerprint of seq with seq % FP_RING == k |
+           |           (words: seq, step, collective, dtype, count, root,  |
+           |            op, extra)                                         |
+    DATA   +-------------------------------------------------------------+
+           | slot 0 | slot 1 | ... (nslots x slot_nbytes, 4 KiB aligned)  |
+           +-------------------------------------------------------------+
+
+Rules (each rank, for every collective, in the same order on every rank):
+1. begin(seq, fp): write FP[seq % FP_RING] and SEQ (plain stores; published by rule 2).
+2. post(): store_release(POSTED, POSTED + 1). Everything written before (slot data,
+   fingerprint) is visible to a peer that load_acquires POSTED >= that value.
+3. wait_all(t): load_acquire every peer's POSTED until >= t. Counters only grow, so the
+   predicate is `>=`, never `==`: a fast peer that already moved on cannot be missed (the
+   DeepSpeed #4048 bug class), and no word is ever reset.
+4. The first wait of every collective waits for ALL peers and then compares fingerprints: a
+   mismatch raises CollectiveMismatchError on every rank before any peer data is read. All
+   ranks posted exactly once for it, so counters stay aligned and the group stays usable.
+5. Slot reuse: a rank reads a peer's slot only between wait_all(t) and its own next post. A
+   slot published at step s (last written before post s) is therefore free again once every
+   peer has posted s + 1; claim(i) waits for that. Slots rotate in claim order, which is the
+   same on every rank because chunk counts derive from fingerprint-checked arguments.
+
+Memory ordering: POSTED is the only synchronizing word; it is written with a release store
+and read with an acquire load (atomics.py), so data and fingerprint stores before a post
+happen-before a peer's reads after its wait. STATE is advisory (abort/close notification)
+and is read only on the slow path. Peers' regions are input, not truth: the header is
+validated on attach (shm.py) and fingerprints are compared, never used as lengths.
+"""
+
+import time
+
+import numpy as np
+
+from .atomics import read_acquire, wait_all_ge, write_release
+from .errors import (
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    GroupAbortedError,
+    PeerLostError,
+)
+
+__all__ = [
+    "MAGIC",
+    "LAYOUT_VERSION",
+    "HEADER_NBYTES",
+    "RegionLayout",
+    "write_header",
+    "read_header",
+    "Arena",
+    "STATE_LIVE",
+    "STATE_ABORTED",
+    "STATE_CLOSED",
+]
+
+MAGIC = int.from_bytes(b"SHMCOLL\x01", "little")
+LAYOUT_VERSION = 1
+HEADER_NBYTES = 4096
+LINE_NBYTES = 128  # two 64-byte lines: defeats the adjacent-line prefetcher pairing lines
+LINE_WORDS = LINE_NBYTES // 8
+CTRL_LINES = 16
+FP_RING = 4  # a peer can be at most one collective ahead (rule 4), so 2 would do
+FP_WORDS = 8
+DATA_ALIGN = 4096
+
+W_POSTED, W_STATE, W_SEQ = 0, 1, 2
+FP_LINE0 = 4
+STATE_LIVE, STATE_ABORTED, STATE_CLOSED = 0, 1, 2
+
+_H_MAGIC, _H_VERSION, _H_TOKEN, _H_WORLD, _H_RANK = 0, 8, 16, 32, 40
+_H_PID, _H_NBYTES, _H_SLOT, _H_NSLOTS = 48, 56, 64, 72
+
+# Wait tiers (see DESIGN_NOTES §14). SPINS: pause-polls before yielding (~50-100 us);
+# YIELDS: sched_yield polls per kernel call; then Python sleeps with backoff up to
+# SLEEP_MAX_S, checking deadline, abort words and peer liveness between calls.
+SPINS = 2000
+YIELDS = 200
+SLEEP_MIN_S = 20e-6
+SLEEP_MAX_S = 1e-3
+
+
+class RegionLayout:
+    """Byte geometry of one rank's region; identical for every rank of a group."""
+
+    __slots__ = ("slot_nbytes", "nslots", "ctrl_offset", "data_offset", "nbytes")
+
+    def __init__(self, slot_nbytes, nslots):
+        if slot_nbytes <= 0 or slot_nbytes % 64:
+            raise ValueError(f"slot_nbytes must be a positive multiple of 64, got {slot_nbytes}")
+        if nslots < 2:
+            raise ValueError(f"nslots must be >= 2 (double buffering), got {nslots}")
+        self.slot_nbytes = int(slot_nbytes)
+        self.nslots = int(nslots)
+        self.ctrl_offset = HEADER_NBYTES
+        ctrl_end = self.ctrl_offset + CTRL_LINES * LINE_NBYTES
+        self.data_offset = -(-ctrl_end // DATA_ALIGN) * DATA_ALIGN
+        self.nbytes = self.data_offset + self.slot_nbytes * self.nslots
+
+
+def write_header(region, layout, token, world_size, rank, pid):
+    """Fill the header of a freshly created (zeroed) region."""
+    h = region[:HEADER_NBYTES]
+    words = h[:80].view(np.uint64)
+    words[_H_MAGIC // 8] = MAGIC
+    words[_H_VERSION // 8] = LAYOUT_VERSION
+    h[_H_TOKEN:_H_TOKEN + 16] = np.frombuffer(token, np.uint8)
+    words[_H_WORLD // 8] = world_size
+    words[_H_RANK // 8] = rank
+    words[_H_PID // 8] = pid
+    words[_H_NBYTES // 8] = layout.nbytes
+    words[_H_SLOT // 8] = layout.slot_nbytes
+    words[_H_NSLOTS // 8] = layout.nslots
+
+
+def read_header(region):
+    """Decode a region header into a dict (no validation: shm.verify_header does that)."""
+    if region.nbytes < HEADER_NBYTES:
+        return None
+    words = region[:80].view(np.uint64)
+    return {
+        "magic": int(words[_H_MAGIC // 8]),
+        "version": int(words[_H_VERSION // 8]),
+        "token": bytes(region[_H_TOKEN:_H_TOKEN + 16]),
+        "world_size": int(words[_H_WORLD // 8]),
+        "rank": int(words[_H_RANK // 8]),
+        "pid": int(words[_H_PID // 8]),
+        "nbytes": int(words[_H_NBYTES // 8]),
+        "slot_nbytes": int(words[_H_SLOT // 8]),
+        "nslots": int(words[_H_NSLOTS // 8]),
+    }
+
+
+class Arena:
+    """The seam algorithms talk to: slot views, post/wait, fingerprints, deadlines.
+
+    `regions[r]` is rank r's region as a uint8 array (all mapped in this address space).
+    `is_alive(peer)` reports whether the peer's process/thread still runs; `describe(fp)`
+    renders a fingerprint tuple for error messages. Not thread-safe: the owning group runs
+    one collective at a time.
+    """
+
+    def __init__(self, regions, rank, layout, is_alive, describe=None, oversubscribed=False):
+        self.rank = rank
+        self.world_size = len(regions)
+        self.layout = layout
+        self.slot_nbytes = layout.slot_nbytes
+        self.nslots = layout.nslots
+        self._regions = regions
+        self._is_alive = is_alive
+        self._describe = describe or (lambda fp: repr(fp))
+        ctrl = [reg[layout.ctrl_offset:layout.data_offset].view(np.int64) for reg in regions]
+        self._ctrl = ctrl
+        self._mine = ctrl[rank]
+        self._posted_addr = ctrl[rank].ctypes.data + W_POSTED * LINE_WORDS * 8
+        self._state_addr = ctrl[rank].ctypes.data + W_STATE * LINE_WORDS * 8
+        self._peers = [p for p in range(self.world_size) if p != rank]
+        self._peer_posted = np.array(
+            [ctrl[p].ctypes.data + W_POSTED * LINE_WORDS * 8 for p in self._peers], np.int64)
+        # _slots[i][r]: rank r's slot i as uint8; _slot_addrs[i]: int64 addresses of slot i.
+        self._slots = [
+            [reg[layout.data_offset + i * layout.slot_nbytes:
+                 layout.data_offset + (i + 1) * layout.slot_nbytes] for reg in regions]
+            for i in range(layout.nslots)]
+        self._slot_addrs = [np.array([s.ctypes.data for s in row], np.int64) for row in self._slots]
+        self._step = int(read_acquire(self._posted_addr))
+        self._known_min = self._step  # every peer has posted at least this much
+        self._free_at = [0] * layout.nslots
+        self._next_slot = 0
+        self._spins = 0 if oversubscribed else SPINS
+        # per-collective state
+        self._seq = 0
+        self._op_name = "?"
+        self._fp = None
+        self._fp_pending = False
+        self._deadline = float("inf")
+        self._timeout_s = 0.0
+        self._slot_at_begin = 0
+        self._begin_step = 0
+
+    # -- collective framing ------------------------------------------------------------
+
+    def begin(self, seq, op_name, fp, timeout_s):
+        """Open collective `seq`: record its fingerprint (ints) and its deadline."""
+        self._seq = seq
+        self._op_name = op_name
+        self._timeout_s = timeout_s
+        self._deadline = time.monotonic() + timeout_s
+        fp = (seq, self._step) + tuple(int(v) for v in fp)
+        line = (FP_LINE0 + seq % FP_RING) * LINE_WORDS
+        self._mine[line:line + len(fp)] = fp
+        self._mine[W_SEQ * LINE_WORDS] = seq
+        self._fp = fp
+        self._fp_pending = True
+        self._begin_step = self._step
+        self._slot_at_begin = self._next_slot
+
+    @property
+    def step(self):
+        """My last posted step."""
+        return self._step
+
+    # -- slots ---------------------------------------------------------------------------
+
+    def next_slot(self):
+        """Index of the slot the next chunk uses (same rotation on every rank)."""
+        i = self._next_slot
+        self._next_slot = (i + 1) % self.nslots
+        return i
+
+    def claim(self, i):
+        """My slot i as uint8, after every peer has finished reading its previous contents."""
+        self.wait_all(self._free_at[i])
+        return self._slots[i][self.rank]
+
+    def slot(self, i, rank):
+        """Rank `rank`'s slot i (uint8 view). Read peers' slots only after a wait."""
+        return self._slots[i][rank]
+
+    def slot_addrs(self, i):
+        """int64 addresses of slot i of ranks 0..world_size-1 (for kernels.reduce_into)."""
+        return self._slot_addrs[i]
+
+    # -- post / wait -----------------------------------------------------------------------
+
+    def post(self, published_slot=None):
+        """Publish everything written so far; returns the new step value.
+
+        NOTE: order matters: data and fingerprint stores precede this release store, so a
+        peer that observes the new value also observes them.
+        """
+        self._step += 1
+        write_release(self._posted_addr, self._step)
+        if published_slot is not None:
+            self._free_at[published_slot] = self._step + 1
+        return self._step
+
+    def wait_all(self, target=None):
+        """Wait until every peer has posted >= target (default: my own step)."""
+        if target is None:
+            target = self._step
+        if self._known_min < target:
+            r = wait_all_ge(self._peer_posted, target, self._spins, YIELDS, self._state_addr)
+            if r != -1:
+                self._wait_slow(target, r)
+            self._known_min = target
+        if self._fp_pending and target > self._begin_step:
+            # the first wait after this collective's first post: peers' fingerprints for
+            # this seq are published (claim() waits before that post do not qualify)
+            self._check_fingerprints()
+
+    def _wait_slow(self, target, r):
+        sleep_s = SLEEP_MIN_S
+        while True:
+            if r == -2 or self._mine[W_STATE * LINE_WORDS] != STATE_LIVE:
+                raise GroupAbortedError(
+                    f"{self._op_name}: rank {self.rank} aborted while waiting at seq {self._seq}")
+            peer = self._peers[r]
+            self._check_peer(peer, target)
+            if time.monotonic() > self._deadline:
+                raise self._timeout_error(target)
+            time.sleep(sleep_s)
+            sleep_s = min(sleep_s * 2, SLEEP_MAX_S)
+            r = wait_all_ge(self._peer_posted, target, 0, YIELDS, self._state_addr)
+            if r == -1:
+                return
+
+    def _check_peer(self, peer, target):
+        ctrl = self._ctrl[peer]
+        if ctrl[W_POSTED * LINE_WORDS] >= target:
+            return
+        state = int(ctrl[W_STATE * LINE_WORDS])
+        if state == STATE_ABORTED:
+            raise GroupAbortedError(
+                f"{self._op_name}: rank {peer} aborted the group while rank {self.rank} waited "
+                f"for it at seq {self._seq}; this group is unusable, create a new one")
+        if state == STATE_CLOSED or not self._is_alive(peer):
+            what = "closed the group" if state == STATE_CLOSED else "exited"
+            raise PeerLostError(
+                f"{self._op_name}: rank {peer} {what} while rank {self.rank} waited for it at "
+                f"seq {self._seq} (peer last seq {int(ctrl[W_SEQ * LINE_WORDS])}); "
+                f"this group is unusable, create a new one", peer=peer)
+
+    def _timeout_error(self, target):
+        missing = [p for p in self._peers if self._ctrl[p][W_POSTED * LINE_WORDS] < target]
+        seqs = ", ".join(f"rank {p} at seq {int(self._ctrl[p][W_SEQ * LINE_WORDS])}"
+                         for p in missing)
+        ms = int(round(self._timeout_s * 1000))
+        return CollectiveTimeoutError(
+            f"[Rank {self.rank}] {self._op_name} (seq {self._seq}): Timed out waiting {ms}ms "
+            f"for ranks {missing} to arrive ({seqs})")
+
+    def _check_fingerprints(self):
+        self._fp_pending = False
+        mine = self._fp
+        line = (FP_LINE0 + self._seq % FP_RING) * LINE_WORDS
+        for p in self._peers:
+            theirs = tuple(int(v) for v in self._ctrl[p][line:line + len(mine)])
+            if theirs != mine:
+                # Undo this collective's slot rotation: no data moved, the group stays usable.
+                self._next_slot = self._slot_at_begin
+                raise CollectiveMismatchError(
+                    f"seq {self._seq}: rank {self.rank} called {self._describe(mine[2:])} but "
+                    f"rank {p} called {self._describe(theirs[2:])}")
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def peer_states(self):
+        """(rank, posted, seq, state) of every rank, for diagnostics."""
+        return [(r, int(c[W_POSTED * LINE_WORDS]), int(c[W_SEQ * LINE_WORDS]),
+                 int(c[W_STATE * LINE_WORDS])) for r, c in enumerate(self._ctrl)]
+
+    def set_state(self, state):
+        """Announce abort/close to peers (and wake my own waiter on abort)."""
+        write_release(self._state_addr, state)
+
+    def is_peer_alive(self, peer):
+        return self._is_alive(peer)

@@ -1,0 +1,211 @@
+"""Work objects and the per-group executor: async ops run in issue order, on a worker thread
+or on the thread that waits for them (so a synchronous call pays no thread hand-off)."""
+
+import collections
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Job", "Executor", "ShmWork", "torch_error"]
+
+_ERROR_TYPES = {}
+
+
+def torch_error(e):
+    """Re-type an engine error so it is also a torch DistBackendError (and keeps its class)."""
+    if isinstance(e, dist.DistBackendError) or not isinstance(e, RuntimeError):
+        return e
+    cls = type(e)
+    mixed = _ERROR_TYPES.get(cls)
+    if mixed is None:
+        mixed = type(cls.__name__, (cls, dist.DistBackendError), {"__module__": cls.__module__})
+        _ERROR_TYPES[cls] = mixed
+    new = mixed.__new__(mixed)
+    new.__dict__.update(getattr(e, "__dict__", {}))
+    new.args = e.args
+    new.__cause__ = e.__cause__
+    new.__traceback__ = e.__traceback__
+    return new
+
+
+class Job:
+    """One queued operation: `fn()` runs it; `outputs` become the future's value."""
+
+    __slots__ = ("name", "fn", "outputs", "event", "error", "future", "source_rank")
+
+    def __init__(self, name, fn, outputs):
+        self.name = name
+        self.fn = fn
+        self.outputs = outputs
+        self.event = threading.Event()
+        self.error = None
+        self.future = torch.futures.Future()
+        self.source_rank = -1
+
+    @property
+    def done(self):
+        return self.event.is_set()
+
+    def run(self):
+        try:
+            result = self.fn()
+            if isinstance(result, int):
+                self.source_rank = result
+        except BaseException as e:  # surfaced through wait()/the future, never lost
+            self.fail(torch_error(e))
+            return
+        self.event.set()
+        self.future.set_result(self.outputs)
+
+    def fail(self, error):
+        self.error = error
+        self.event.set()
+        self.future.set_exception(error)
+
+
+class Executor:
+    """Runs a group's jobs one at a time in submission order.
+
+    A worker thread guarantees progress for async ops nobody waits on; a thread that waits
+    for a job that has not started runs the queue itself up to that job (no hand-off
+    latency for synchronous calls). `_running` makes sure only one thread runs jobs.
+    """
+
+    _RETRY_S = 1e-3  # worker re-checks the queue this often while another thread runs jobs
+
+    def __init__(self, name, on_abort=None):
+        self._cv = threading.Condition()
+        self._queue = collections.deque()
+        self._running = threading.Lock()
+        self._stopped = False
+        self._on_abort = on_abort
+        self._thread = threading.Thread(target=self._loop, name=f"shmcoll-{name}", daemon=True)
+        self._thread.start()
+
+    @property
+    def pending(self):
+        return len(self._queue) + (1 if self._running.locked() else 0)
+
+    def submit(self, job):
+        with self._cv:
+            if self._stopped:
+                raise torch_error(RuntimeError(f"{job.name}: the process group was shut down"))
+            self._queue.append(job)
+            self._cv.notify()
+        return job
+
+    def _pop(self):
+        with self._cv:
+            return self._queue.popleft() if self._queue else None
+
+    def _run_until(self, until):
+        """Run queued jobs in order (caller holds _running) until `until` is done."""
+        while until is None or not until.done:
+            job = self._pop()
+            if job is None:
+                return
+            job.run()
+
+    def _loop(self):
+        while True:
+            with self._cv:
+                while not self._queue and not self._stopped:
+                    self._cv.wait()
+                if self._stopped:
+                    return
+            if self._running.acquire(blocking=False):
+                try:
+                    self._run_until(None)
+                finally:
+                    self._running.release()
+            else:
+                with self._cv:
+                    self._cv.wait(self._RETRY_S)
+
+    def wait(self, job, timeout_s=None):
+        """Block until `job` is done (running it here if nobody else is); True if done."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not job.done:
+            if self._running.acquire(blocking=False):
+                try:
+                    if deadline is None:
+                        self._run_until(job)
+                        continue
+                finally:
+                    self._running.release()
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return False
+            job.event.wait(self._RETRY_S if remaining is None else min(remaining, self._RETRY_S))
+        return True
+
+    def stop(self, abort_pending=True, join_timeout_s=10.0):
+        """Stop the worker; pending jobs are aborted (woken) and failed. True if joined."""
+        with self._cv:
+            self._stopped = True
+            busy = bool(self._queue) or self._running.locked()
+            self._cv.notify_all()
+        if busy and abort_pending and self._on_abort is not None:
+            self._on_abort()
+        self._thread.join(join_timeout_s)
+        with self._running:
+            while True:
+                job = self._pop()
+                if job is None:
+                    break
+                job.fail(torch_error(RuntimeError(f"{job.name}: the process group was shut "
+                                                  f"down before this operation ran")))
+        return not self._thread.is_alive()
+
+
+class ShmWork(dist.Work):
+    """torch Work over a Job: wait(), get_future(), is_completed(), exception(), result()."""
+
+    def __init__(self, executor, job):
+        super().__init__()
+        self._executor = executor
+        self._job = job
+
+    def wait(self, timeout=None):
+        timeout_s = None
+        if timeout is not None:
+            timeout_s = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
+            if timeout_s <= 0:
+                timeout_s = None
+        if not self._executor.wait(self._job, timeout_s):
+            ms = int(round(timeout_s * 1000))
+            err = torch_error(RuntimeError(f"{self._job.name}: Timed out waiting {ms}ms for "
+                                           f"the operation to complete; the group was aborted"))
+            if self._executor._on_abort is not None:
+                self._executor._on_abort()
+            raise err
+        if self._job.error is not None:
+            raise self._job.error
+        return True
+
+    def get_future(self):
+        return self._job.future
+
+    def is_completed(self):
+        return self._job.done
+
+    def is_success(self):
+        return self._job.done and self._job.error is None
+
+    def exception(self):
+        return self._job.error
+
+    def result(self):
+        self.wait()
+        return self._job.outputs
+
+    def source_rank(self):
+        return self._job.source_rank
+
+    def _source_rank(self):
+        return self._job.source_rank
+
+    def synchronize(self):
+        self.wait()
