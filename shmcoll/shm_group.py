@@ -1,9 +1,13 @@
 """new_shm_group: a Group whose ranks are processes sharing POSIX segments (shm.py)."""
 
+import numpy as np
+
 from . import config as _config
 from .group import Group, describe_fingerprint, is_oversubscribed
+from .p2p import P2PEngine
 from .protocol import Arena, RegionLayout
 from .shm import PidLiveness, ShmRegions
+from .warmup import warm_up_async
 
 __all__ = ["new_shm_group"]
 
@@ -14,12 +18,31 @@ def new_shm_group(store, rank, world_size, timeout_s=1800.0, cfg=None, name=""):
     if not 0 <= rank < world_size:
         raise ValueError(f"new_shm_group: rank {rank} is outside world size {world_size}")
     cfg = cfg or _config.from_env()
-    if world_size == 1:
-        return Group(None, 0, 1, timeout_s, cfg.direct_max_nbytes, name=name)
-    layout = RegionLayout(cfg.slot_nbytes, cfg.nslots)
+    warm_up_async()  # load kernels from numba's cache while the rendezvous waits on peers
+    if world_size == 1:  # no shared memory; a private region carries self-sends
+        layout = RegionLayout(64, 2, 1, cfg.p2p_cells, cfg.p2p_cell_nbytes)
+        p2p = P2PEngine([np.zeros(layout.nbytes, np.uint8)], 0, layout, lambda peer: True,
+                        name=name)
+        group = Group(None, 0, 1, timeout_s, cfg.direct_max_nbytes, closers=[p2p.close],
+                      name=name, aborter=p2p.abort)
+        group.attach_p2p(p2p)
+        return group
+    layout = RegionLayout(cfg.slot_nbytes, cfg.nslots, world_size, cfg.p2p_cells,
+                          cfg.p2p_cell_nbytes)
     regions = ShmRegions(store, rank, world_size, layout, timeout_s, cfg.shm_dir)
     liveness = PidLiveness(regions.pids)
     spin = {"spin": False, "yield": True}.get(cfg.spin, is_oversubscribed(world_size))
-    arena = Arena(regions.regions, rank, layout, liveness, describe_fingerprint, oversubscribed=spin)
-    return Group(arena, rank, world_size, timeout_s, cfg.direct_max_nbytes,
-                 closers=[liveness.close, regions.close], name=name)
+    arena = Arena(regions.regions, rank, layout, liveness, describe_fingerprint, oversubscribed=spin,
+                  pids=regions.pids)
+    try:
+        p2p = P2PEngine(regions.regions, rank, layout, liveness, oversubscribed=spin, name=name)
+    except BaseException:
+        liveness.close()
+        regions.close()
+        raise
+    # NOTE: order matters: the p2p thread is joined before the regions are unmapped.
+    group = Group(arena, rank, world_size, timeout_s, cfg.direct_max_nbytes,
+                  closers=[p2p.close, liveness.close, regions.close], name=name,
+                  aborter=p2p.abort)
+    group.attach_p2p(p2p)
+    return group

@@ -1,0 +1,1 @@
+"""nccl-tests-style benchmarks for torch.distributed backends (see benchmarks/README.md)."""

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Main job: install, then a short verified benchmark of shm against gloo (all_reduce, 2 ranks).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install.sh
+PY=${PYTHON:-python3}
+"$PY" -m shmcoll.warmup
+exec "$PY" -m benchmarks.bench --quick --backends shm,gloo --out results/quick.jsonl --plot results/quick.png "$@"
