@@ -1,0 +1,157 @@
+"""The torch.distributed backend "threaded": EngineProcessGroup over a threaded Group.
+
+Private torch symbols touched here (checked against torch 2.13.0): `dist.Backend._plugins`
+(to see whether the name "threaded" is free, and whose creator holds it) and
+`dist.Backend.register_backend(..., extended_api=True)` with the `_DistributedBackendOptions`
+fields store, group_rank, group_size, timeout, group_id, global_ranks_in_group.
+
+Name clash: torch's own `torch.testing._internal.distributed.multi_threaded_pg` registers
+"threaded" when it is imported (register_backend silently replaces an existing entry). So we
+register "threaded" only if the name is free, and always register the alias
+"shmcoll_threaded"; `backend_name()` answers, at each spawn, the name that currently maps to
+our creator. Importing torch's module after ours therefore leaves both usable: torch's tests
+get theirs under "threaded", spawn() uses ours under the alias.
+
+RankThreadExecutor subclasses shmcoll.torch_backend.work.Executor and uses its internals
+(_cv, _queue, _stopped, _running, _run_until); EngineProcessGroup.executor_class is the hook
+that installs it.
+"""
+
+import time
+
+import torch.distributed as dist
+
+from shmcoll.torch_backend.process_group import EngineProcessGroup, ShmOptions
+from shmcoll.torch_backend.work import Executor
+
+from .group import current_rank, new_threaded_group
+
+__all__ = ["register", "backend_name", "create_threaded_process_group", "ThreadedProcessGroup",
+           "RankThreadExecutor", "BACKEND", "ALIAS"]
+
+BACKEND = "threaded"
+ALIAS = "shmcoll_threaded"
+
+
+class RankThreadExecutor(Executor):
+    """The Executor for ranks that are threads: submitting does not wake the worker.
+
+    A synchronous call (dist.all_reduce(t)) waits right after submitting and runs its job
+    on the rank thread (Executor.wait); waking the worker as well, on every call, costs
+    two GIL hand-offs per rank per collective, which is most of a small collective's time
+    when all ranks share one GIL. The worker instead looks for jobs nobody runs (async ops
+    not waited yet, futures waited from C++) every POLL_S while the group is in use, and
+    sleeps until the next submission (which then wakes it) after IDLE_S without one.
+    """
+
+    POLL_S = 2e-3  # an async op nobody waits on starts at most this late
+    IDLE_S = 0.05  # no submission for this long: stop polling
+
+    def __init__(self, name, on_abort=None):
+        self._parked = False
+        self._last_submit = time.monotonic()
+        super().__init__(name, on_abort)
+
+    def submit(self, job):
+        with self._cv:
+            self._last_submit = time.monotonic()  # (also when parked: the worker polls again)
+            if not (self._stopped or self._parked):
+                self._queue.append(job)
+                return job
+        return super().submit(job)  # shut down: raises; parked worker: queue and wake it
+
+    def _loop(self):
+        while True:
+            with self._cv:
+                while not self._queue and not self._stopped:
+                    self._parked = time.monotonic() - self._last_submit > self.IDLE_S
+                    self._cv.wait(None if self._parked else self.POLL_S)
+                self._parked = False
+                if self._stopped:
+                    return
+            if self._running.acquire(blocking=False):
+                try:
+                    self._run_until(None)
+                finally:
+                    self._running.release()
+            else:
+                with self._cv:
+                    self._cv.wait(self.POLL_S)
+
+
+class ThreadedProcessGroup(EngineProcessGroup):
+    """EngineProcessGroup over a threaded engine Group (backend "threaded")."""
+
+    BACKEND_NAME = BACKEND
+    executor_class = RankThreadExecutor
+
+    def split_group(self, ranks, timeout=None, opts=None, group_name=None, group_desc=None,
+                    device_types=None):
+        """As EngineProcessGroup.split_group, but the new group's ranks are threads too."""
+        ranks = sorted(int(r) for r in ranks)
+        with self._lock:
+            self._split_count += 1
+            count = self._split_count
+        if self.rank() not in ranks:
+            return None
+        rendezvous, global_rank = _binding()
+        parent = self._options.global_ranks_in_group or list(range(self.size()))
+        options = opts._unbound() if isinstance(opts, ShmOptions) else ShmOptions(
+            timeout=self.group.timeout_s)
+        if timeout is not None:
+            options._timeout = timeout
+        options.group_name = group_name or f"{self._options.group_name or 'pg'}:split:{count - 1}"
+        options.global_ranks_in_group = [parent[r] for r in ranks]
+        group = new_threaded_group(  # keyed like the shm split: parent, split count, members
+            rendezvous, ranks.index(self.rank()), len(ranks),
+            name=f"{self.group.name}/split/{count}/{ranks}", global_rank=global_rank,
+            timeout_s=options._timeout.total_seconds(), global_ranks=options.global_ranks_in_group)
+        pg = ThreadedProcessGroup(group, BACKEND, store=self._store, options=options)
+        pg._set_group_name(options.group_name)
+        if group_desc:
+            pg._set_group_desc(group_desc)
+        return pg
+
+
+def _binding():
+    binding = current_rank()
+    if binding is None:
+        raise RuntimeError(
+            f"backend {BACKEND!r} (shmcoll) creates groups only on rank threads started by "
+            f"threaded_pg.spawn(); use backend 'shm' for ranks that are processes")
+    return binding
+
+
+def create_threaded_process_group(backend_opts, pg_options=None):
+    """Creator for dist.Backend.register_backend: one engine Group per torch group."""
+    rendezvous, global_rank = _binding()
+    options = pg_options._unbound() if isinstance(pg_options, ShmOptions) else ShmOptions()
+    options.global_ranks_in_group = list(backend_opts.global_ranks_in_group)
+    options._timeout = backend_opts.timeout  # init_process_group's timeout wins (as for gloo)
+    options.group_name = str(backend_opts.group_id)
+    group = new_threaded_group(
+        rendezvous, backend_opts.group_rank, backend_opts.group_size, name=options.group_name,
+        timeout_s=options._timeout.total_seconds(), global_rank=global_rank,
+        global_ranks=options.global_ranks_in_group or range(rendezvous.world_size))
+    return ThreadedProcessGroup(group, BACKEND, store=backend_opts.store, options=options)
+
+
+def _owner(name):
+    plugin = dist.Backend._plugins.get(name.upper())
+    return None if plugin is None else plugin.creator_fn
+
+
+def register():
+    """Register ALIAS always and BACKEND while free (idempotent)."""
+    if _owner(ALIAS) is not create_threaded_process_group:
+        dist.Backend.register_backend(ALIAS, create_threaded_process_group, extended_api=True,
+                                      devices=["cpu"])
+    if _owner(BACKEND) is None:
+        dist.Backend.register_backend(BACKEND, create_threaded_process_group, extended_api=True,
+                                      devices=["cpu"])
+
+
+def backend_name():
+    """"threaded" when that name is ours, else the alias."""
+    register()
+    return BACKEND if _owner(BACKEND) is create_threaded_process_group else ALIAS

@@ -1,0 +1,68 @@
+"""spawn(fn, world_size): fn(rank, world_size, *args) on one thread per rank, with the default
+process group (backend "threaded") initialised before and destroyed after.
+
+Each rank thread gets its own torch.distributed world (threaded_pg.world), so dist.get_rank(),
+dist.all_reduce, dist.new_group, object collectives, DDP, ... work unchanged; every spawn
+has its own HashStore and its own Rendezvous, so spawns (one after another, or concurrently
+from several threads) never meet. Failure and timeout semantics: threaded_pg.runner.
+"""
+
+import datetime
+import threading
+
+import torch.distributed as dist
+
+from . import world
+from .backend import backend_name
+from .runner import DEFAULT_TIMEOUT_S, _Run
+
+__all__ = ["spawn"]
+
+
+def spawn(fn, world_size, args=(), kwargs=None, timeout=DEFAULT_TIMEOUT_S, cfg=None):
+    """Run fn(rank, world_size, *args, **kwargs) on `world_size` rank threads; return the
+    list of their return values, by rank.
+
+    `timeout` (seconds or timedelta) bounds the whole spawn and is also the groups'
+    collective timeout. `cfg` (shmcoll.config.Config) overrides SHMCOLL_* settings.
+    Raises RankFailedError ("rank r: <traceback>") or SpawnTimeoutError (what each rank
+    was blocked in).
+    """
+    return _Spawn(fn, world_size, args, kwargs, timeout, cfg).run()
+
+
+class _Spawn(_Run):
+    """A run whose ranks live inside an initialised default process group."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.store = dist.HashStore()
+        self.store.set_timeout(datetime.timedelta(seconds=self.timeout_s))
+        self.backend = backend_name()
+
+    # One reference on the thread-local world for the spawn and one per rank thread, so a
+    # rank thread left behind after a timeout keeps its world until it ends.
+    def _enter(self):
+        world.install()
+
+    def _leave(self):
+        world.uninstall()
+
+    def _thread_enter(self, rank):
+        world.install()
+
+    def _thread_leave(self, rank):
+        if threading.current_thread() is self.threads[rank]:  # not if start() failed
+            world.unbind()
+        world.uninstall()
+
+    def _call(self, rank):
+        world.bind()
+        dist.init_process_group(self.backend, store=self.store, rank=rank,
+                                world_size=self.world_size,
+                                timeout=datetime.timedelta(seconds=self.timeout_s))
+        return self.fn(rank, self.world_size, *self.args, **self.kwargs)
+
+    def _cleanup(self, rank):
+        if dist.is_initialized():
+            dist.destroy_process_group()
