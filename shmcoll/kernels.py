@@ -27,6 +27,7 @@ from numba import types
 from numba.extending import intrinsic, overload
 
 __all__ = [
+    "reduce_unchecked",
     "OP_SUM", "OP_PRODUCT", "OP_MIN", "OP_MAX", "OP_BAND", "OP_BOR", "OP_BXOR",
     "KINDS", "reduce_into", "warm_up",
     "f16_to_f32", "f32_to_f16", "bf16_to_f32", "f32_to_bf16",
@@ -362,6 +363,19 @@ def reduce_into(out, srcs, op, kind, pre=1.0, post=1.0):
         _reduce_16(out, srcs, op, np.float32(pre), np.float32(post), kind == "bfloat16")
     else:
         t = out.dtype.type  # scale in the tensor's own precision, as torch does
+        _reduce_same(out, srcs, op, t(pre), t(post))
+
+
+def reduce_unchecked(out, srcs, op, kind, pre=1.0, post=1.0):
+    """reduce_into without the argument checks, for the engine's hot path: ops.reduce_spec
+    has validated (op, kind) and remapped bool ops; the algorithms pass 1-D C-contiguous
+    storage-dtype views and int64 address arrays."""
+    if out.size == 0:
+        return
+    if kind == "float16" or kind == "bfloat16":
+        _reduce_16(out, srcs, op, np.float32(pre), np.float32(post), kind == "bfloat16")
+    else:
+        t = out.dtype.type
         _reduce_same(out, srcs, op, t(pre), t(post))
 
 

@@ -50,8 +50,11 @@ DTYPES = {d.name: d for d in (
 )}
 DTYPE_BY_CODE = {d.code: d for d in DTYPES.values()}
 
-_NUMPY_NAMES = {"float16", "float32", "float64", "complex64", "complex128", "int8", "uint8",
-                "int16", "int32", "int64", "bool"}
+# numpy dtype -> DType, for arrays passed without a dtype override (hashing a dtype is
+# cheap; reading dtype.name is not, and this runs on every collective).
+_BY_NUMPY = {np.dtype(n): DTYPES[n] for n in ("float16", "float32", "float64", "complex64",
+                                               "complex128", "int8", "uint8", "int16", "int32",
+                                               "int64", "bool")}
 
 _OPS_BY_KIND = {
     "float": {ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX,
@@ -95,14 +98,28 @@ def dtype_of(array, dtype=None):
             raise TypeError(f"dtype {dtype} needs {d.storage.itemsize}-byte elements, "
                             f"the array has {array.dtype.itemsize}-byte {array.dtype}")
         return d
-    name = array.dtype.name
-    if name not in _NUMPY_NAMES:
-        raise TypeError(f"dtype {name} is not supported (supported: {', '.join(DTYPES)})")
-    return DTYPES[name]
+    d = _BY_NUMPY.get(array.dtype)
+    if d is None:
+        raise TypeError(f"dtype {array.dtype.name} is not supported (supported: "
+                        f"{', '.join(DTYPES)})")
+    return d
+
+
+_SPECS = {}
 
 
 def reduce_spec(op, dtype, world_size, collective="all_reduce", premul=1.0):
     """Map (op, dtype) to a ReduceSpec, or raise TypeError naming the supported ops."""
+    key = (op, dtype.code, world_size, premul)
+    spec = _SPECS.get(key)
+    if spec is None:
+        spec = _make_spec(op, dtype, world_size, collective, premul)
+        if len(_SPECS) < 4096:  # premul factors are user floats: bound the cache
+            _SPECS[key] = spec
+    return spec
+
+
+def _make_spec(op, dtype, world_size, collective, premul):
     op = ReduceOp(op)
     allowed = _OPS_BY_KIND[dtype.kind]
     if op not in allowed:

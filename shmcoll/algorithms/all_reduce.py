@@ -4,7 +4,7 @@ Both reduce every element over ranks 0..N-1 in rank order in one kernel call (fp
 accumulate in fp32 and round once), so every rank ends with bitwise-identical bytes.
 """
 
-from ..kernels import reduce_into
+from ..kernels import reduce_unchecked as reduce_into
 
 __all__ = ["all_reduce_one_shot", "all_reduce_two_shot"]
 

@@ -4,6 +4,8 @@ import numpy as np
 
 __all__ = ["all_to_all_direct"]
 
+MAX_MESSAGE_NBYTES = 1 << 48  # larger than any array this host can hold
+
 
 def all_to_all_direct(arena, ins, outs):
     """Rank r sends ins[j] to rank j and receives outs[j] from rank j.
@@ -31,6 +33,12 @@ def all_to_all_direct(arena, ins, outs):
         a, b = (int(v) for v in bad[0])
         raise ValueError(f"all_to_all: rank {a} sends {int(sends[a, b])} bytes to rank {b}, "
                          f"which expects {int(recvs[b, a])}")
+    # The table is peers' memory, i.e. input: entries not involving this rank were checked
+    # by nobody but their writer, and `longest` sets the chunk count of every rank. Refuse
+    # negative or absurd sizes (same table on every rank -> every rank raises together).
+    if sends.size and (int(sends.min()) < 0 or int(sends.max()) > MAX_MESSAGE_NBYTES):
+        raise ValueError(f"all_to_all: corrupt size table in shared memory (sizes from "
+                         f"{int(sends.min())} to {int(sends.max())} bytes)")
     longest = int(sends.max()) if sends.size else 0
     per = arena.slot_nbytes // world
     for start in range(0, longest, per):

@@ -1,6 +1,6 @@
 """reduce algorithms over an Arena."""
 
-from ..kernels import reduce_into
+from ..kernels import reduce_unchecked as reduce_into
 
 __all__ = ["reduce_direct"]
 

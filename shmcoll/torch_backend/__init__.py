@@ -8,18 +8,22 @@ trampolines), `dist.Backend.register_backend(..., extended_api=True)` with
 
 import torch.distributed as dist
 
-from ..shm_group import new_shm_group
-from .process_group import EngineProcessGroup
+from .process_group import EngineProcessGroup, ProcessGroupShm, ShmOptions
 
-__all__ = ["register", "EngineProcessGroup", "create_shm_process_group"]
+__all__ = ["register", "EngineProcessGroup", "ProcessGroupShm", "ShmOptions",
+           "create_shm_process_group"]
 
 
 def create_shm_process_group(backend_opts, pg_options=None):
-    """Creator for dist.Backend.register_backend: one engine Group per torch group."""
-    timeout_s = backend_opts.timeout.total_seconds()
-    group = new_shm_group(backend_opts.store, backend_opts.group_rank, backend_opts.group_size,
-                          timeout_s=timeout_s, name=str(backend_opts.group_id))
-    return EngineProcessGroup(group, "shm")
+    """Creator for dist.Backend.register_backend: one engine Group per torch group.
+
+    The group keeps the (prefixed) store: monitored_barrier and split_group use it.
+    init_process_group's timeout wins over pg_options._timeout (as for gloo/NCCL)."""
+    options = ShmOptions.coerce(pg_options)
+    options.global_ranks_in_group = list(getattr(backend_opts, "global_ranks_in_group", []))
+    return ProcessGroupShm(backend_opts.store, backend_opts.group_rank, backend_opts.group_size,
+                           options, timeout=backend_opts.timeout,
+                           group_name=str(backend_opts.group_id))
 
 
 def register():

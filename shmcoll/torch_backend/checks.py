@@ -1,15 +1,21 @@
 """Argument checks with ProcessGroupGloo's wording, raised on the calling rank at call time.
 
-Order follows gloo where the tests pin it: root rank, then list shapes (scatter checks its
-outputs before its inputs, gather its inputs before its outputs, allgather emptiness before
-lengths), then dtype, then size. Nothing here touches shared state, so a failed check leaves
-the group usable and consumes no sequence number.
+Every message is "ProcessGroupShm::<op>: <gloo's text> (<what we saw>)", so a test written
+for gloo (`assertRaisesRegex(RuntimeError, "invalid tensor type")`) passes unchanged and the
+user still sees the offending values. Order follows gloo where the tests pin it: root rank,
+then list shapes (scatter checks its outputs before its inputs, gather its inputs before its
+outputs, allgather emptiness before lengths), then layout, dtype, size and device.
+Nothing here touches shared state, so a failed check leaves the group usable and consumes no
+sequence number.
 """
 
 import torch
 
-__all__ = ["ArgumentError", "fail", "root_rank", "root_tensor", "non_empty", "same_type",
-           "same_size", "dense_cpu", "single"]
+__all__ = ["ArgumentError", "fail", "root_rank", "root_tensor", "non_empty", "layout_match",
+           "type_match", "size_match", "type_and_size_match", "tensors", "dense", "cpu",
+           "dense_cpu", "single", "same_type", "same_size"]
+
+PREFIX = "ProcessGroupShm"
 
 
 class ArgumentError(RuntimeError, ValueError):
@@ -17,17 +23,17 @@ class ArgumentError(RuntimeError, ValueError):
 
 
 def fail(name, what):
-    raise ArgumentError(f"ProcessGroupShm::{name}: {what}")
+    raise ArgumentError(f"{PREFIX}::{name}: {what}")
 
 
 def root_rank(name, root, size):
     if not 0 <= root < size:
-        fail(name, f"invalid root rank: {root}")
+        fail(name, f"invalid root rank: {root} (group size {size})")
 
 
 def root_tensor(name, index, count):
     if not 0 <= index < count:
-        fail(name, f"invalid root tensor: {index}")
+        fail(name, f"invalid root tensor: {index} (tensor list size {count})")
 
 
 def non_empty(name, tensors, what="tensor list"):
@@ -35,34 +41,81 @@ def non_empty(name, tensors, what="tensor list"):
         fail(name, f"requires non-empty {what}")
 
 
-def same_type(name, tensors, ref=None):
-    ref = tensors[0] if ref is None else ref
-    for i, t in enumerate(tensors):
-        if t.dtype != ref.dtype:
-            fail(name, f"invalid tensor type at index {i} (expected {ref.dtype}, got {t.dtype})")
+def single(name, items, what):
+    if len(items) != 1:
+        fail(name, f"requires a single-element {what} (got {len(items)} elements)")
 
 
-def same_size(name, tensors, ref=None):
-    ref = tensors[0] if ref is None else ref
-    for i, t in enumerate(tensors):
+def tensors(name, items):
+    """Every element is a torch.Tensor (TypeError otherwise, like pybind's overload check)."""
+    for i, t in enumerate(items):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{PREFIX}::{name}: expected a Tensor at index {i}, got "
+                            f"{type(t).__name__}")
+
+
+def layout_match(name, items, ref=None):
+    ref = items[0] if ref is None else ref
+    for i, t in enumerate(items):
+        if t.layout != ref.layout:
+            fail(name, f"invalid tensor layout at index {i} (expected {ref.layout}, got "
+                       f"{t.layout})")
+
+
+def _type_str(t):
+    return f"{t.device.type} {t.dtype}"
+
+
+def type_match(name, items, ref=None):
+    ref = items[0] if ref is None else ref
+    for i, t in enumerate(items):
+        if t.dtype != ref.dtype or t.device.type != ref.device.type:
+            fail(name, f"invalid tensor type at index {i} (expected {_type_str(ref)}, got "
+                       f"{_type_str(t)})")
+
+
+def size_match(name, items, ref=None):
+    ref = items[0] if ref is None else ref
+    for i, t in enumerate(items):
         if t.shape != ref.shape:
             fail(name, f"invalid tensor size at index {i} (expected {list(ref.shape)}, got "
                        f"{list(t.shape)})")
 
 
-def dense_cpu(name, tensors):
-    """Our tensors must be dense, on the CPU, with real storage (not meta)."""
-    for i, t in enumerate(tensors):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"ProcessGroupShm::{name}: expected a Tensor at index {i}, got "
-                            f"{type(t).__name__}")
+def type_and_size_match(name, items, ref=None):
+    """gloo's assertTypeAndSizesMatch: per element, type first, then size."""
+    ref = items[0] if ref is None else ref
+    for i, t in enumerate(items):
+        if t.dtype != ref.dtype or t.device.type != ref.device.type:
+            fail(name, f"invalid tensor type at index {i} (expected {_type_str(ref)}, got "
+                       f"{_type_str(t)})")
+        if t.shape != ref.shape:
+            fail(name, f"invalid tensor size at index {i} (expected {list(ref.shape)}, got "
+                       f"{list(t.shape)})")
+
+
+# gloo checks each element's type then size; keep the old names for callers.
+same_type = type_match
+same_size = size_match
+
+
+def dense(name, items):
+    for i, t in enumerate(items):
         if t.layout != torch.strided:
-            fail(name, f"invalid tensor layout at index {i} (expected strided, got {t.layout})")
+            fail(name, f"only supports dense tensors (got {t.layout} at index {i})")
+
+
+def cpu(name, items):
+    for i, t in enumerate(items):
         if t.device.type != "cpu":
             fail(name, f"unsupported device type {t.device.type} at index {i} (this group "
                        f"moves CPU tensors; CUDA tensors go through cuda_ipc)")
+        if t.is_meta:
+            fail(name, f"unsupported device type meta at index {i}")
 
 
-def single(name, tensors, what):
-    if len(tensors) != 1:
-        fail(name, f"requires a single-element {what}")
+def dense_cpu(name, items):
+    """Tensors, dense (strided), on the CPU with real storage."""
+    tensors(name, items)
+    dense(name, items)
+    cpu(name, items)

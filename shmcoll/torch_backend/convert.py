@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from ..ops import ReduceOp
 
-__all__ = ["as_array", "engine_dtype", "reduce_op", "timeout_s", "SUPPORTED_DTYPES"]
+__all__ = ["as_array", "engine_dtype", "reduce_op", "timeout_s", "to_seconds", "SUPPORTED_DTYPES"]
 
 SUPPORTED_DTYPES = {
     torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
@@ -62,7 +62,14 @@ def reduce_op(op):
                 f = getattr(op, "factor", 1.0)
                 factor = float(f.item() if isinstance(f, torch.Tensor) else f)
             return ours, factor
-    raise ValueError(f"unsupported reduction operation {op}")
+    raise ValueError(f"unsupported reduction operation {kind}")
+
+
+def to_seconds(value):
+    """Seconds (float) of a timedelta or a number of seconds (gloo's `_timeout` takes both)."""
+    if isinstance(value, datetime.timedelta):
+        return value.total_seconds()
+    return float(value)
 
 
 def timeout_s(opts_timeout, default_s):

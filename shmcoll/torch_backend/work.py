@@ -18,11 +18,20 @@ def torch_error(e):
     if isinstance(e, dist.DistBackendError) or not isinstance(e, RuntimeError):
         return e
     cls = type(e)
+    if issubclass(dist.DistBackendError, cls):  # RuntimeError itself: no mixin needed
+        new = dist.DistBackendError(*e.args)
+        new.__cause__ = e.__cause__
+        new.__traceback__ = e.__traceback__
+        return new
     mixed = _ERROR_TYPES.get(cls)
     if mixed is None:
         mixed = type(cls.__name__, (cls, dist.DistBackendError), {"__module__": cls.__module__})
         _ERROR_TYPES[cls] = mixed
-    new = mixed.__new__(mixed)
+    # OSError-based errors (CollectiveTimeoutError is a TimeoutError, SegmentError an
+    # OSError) need OSError's __new__: mixed.__new__ resolves to RuntimeError's, which
+    # refuses them ("RuntimeError.__new__(...) is not safe") and turned a timeout into a
+    # TypeError.
+    new = (OSError.__new__ if issubclass(mixed, OSError) else mixed.__new__)(mixed)
     new.__dict__.update(getattr(e, "__dict__", {}))
     new.args = e.args
     new.__cause__ = e.__cause__
@@ -33,7 +42,8 @@ def torch_error(e):
 class Job:
     """One queued operation: `fn()` runs it; `outputs` become the future's value."""
 
-    __slots__ = ("name", "fn", "outputs", "event", "error", "future", "source_rank")
+    __slots__ = ("name", "fn", "outputs", "event", "error", "future", "source_rank",
+                 "finished")
 
     def __init__(self, name, fn, outputs):
         self.name = name
@@ -43,10 +53,13 @@ class Job:
         self.error = None
         self.future = torch.futures.Future()
         self.source_rank = -1
+        self.finished = False
 
     @property
     def done(self):
-        return self.event.is_set()
+        """The operation has finished (outputs written, or failed). Its future and `event`
+        follow right after (see run)."""
+        return self.finished
 
     def run(self):
         try:
@@ -56,13 +69,19 @@ class Job:
         except BaseException as e:  # surfaced through wait()/the future, never lost
             self.fail(torch_error(e))
             return
-        self.event.set()
+        # NOTE: order matters: `finished` first (shutdown then knows nothing is pending),
+        # the future next, the event last: wait() returns on the event, so
+        # `work.wait(); work.get_future().value()` never sees an incomplete future (gloo
+        # also completes the future before wait() returns).
+        self.finished = True
         self.future.set_result(self.outputs)
+        self.event.set()
 
     def fail(self, error):
         self.error = error
-        self.event.set()
+        self.finished = True
         self.future.set_exception(error)
+        self.event.set()
 
 
 class Executor:
@@ -80,6 +99,7 @@ class Executor:
         self._queue = collections.deque()
         self._running = threading.Lock()
         self._stopped = False
+        self._stop_reason = "shut down"
         self._on_abort = on_abort
         self._thread = threading.Thread(target=self._loop, name=f"shmcoll-{name}", daemon=True)
         self._thread.start()
@@ -91,7 +111,9 @@ class Executor:
     def submit(self, job):
         with self._cv:
             if self._stopped:
-                raise torch_error(RuntimeError(f"{job.name}: the process group was shut down"))
+                raise torch_error(RuntimeError(
+                    f"{job.name}: the process group was {self._stop_reason}; it accepts no new "
+                    f"operations (create a new process group)"))
             self._queue.append(job)
             self._cv.notify()
         return job
@@ -141,9 +163,13 @@ class Executor:
             job.event.wait(self._RETRY_S if remaining is None else min(remaining, self._RETRY_S))
         return True
 
-    def stop(self, abort_pending=True, join_timeout_s=10.0):
-        """Stop the worker; pending jobs are aborted (woken) and failed. True if joined."""
+    def stop(self, abort_pending=True, join_timeout_s=10.0, reason="shut down"):
+        """Stop the worker; pending jobs are aborted (woken) and failed. True if joined.
+
+        `reason` ("shut down", "aborted") words the errors of later submissions."""
         with self._cv:
+            if not self._stopped:
+                self._stop_reason = reason
             self._stopped = True
             busy = bool(self._queue) or self._running.locked()
             self._cv.notify_all()
@@ -155,8 +181,9 @@ class Executor:
                 job = self._pop()
                 if job is None:
                     break
-                job.fail(torch_error(RuntimeError(f"{job.name}: the process group was shut "
-                                                  f"down before this operation ran")))
+                job.fail(torch_error(RuntimeError(
+                    f"{job.name}: the process group was {self._stop_reason} before this "
+                    f"operation ran (pending work aborted)")))
         return not self._thread.is_alive()
 
 
@@ -171,16 +198,19 @@ class ShmWork(dist.Work):
     def wait(self, timeout=None):
         timeout_s = None
         if timeout is not None:
-            timeout_s = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
+            timeout_s = timeout.total_seconds() if hasattr(timeout, "total_seconds") \
+                else float(timeout)
             if timeout_s <= 0:
                 timeout_s = None
         if not self._executor.wait(self._job, timeout_s):
             ms = int(round(timeout_s * 1000))
-            err = torch_error(RuntimeError(f"{self._job.name}: Timed out waiting {ms}ms for "
-                                           f"the operation to complete; the group was aborted"))
+            err = torch_error(RuntimeError(f"[{self._job.name}] Timed out waiting {ms}ms for "
+                                           f"the operation to complete in Work.wait(); the "
+                                           f"process group was aborted"))
             if self._executor._on_abort is not None:
                 self._executor._on_abort()
             raise err
+        self._job.event.wait()  # set right after the future completes (Job.run)
         if self._job.error is not None:
             raise self._job.error
         return True
@@ -189,10 +219,10 @@ class ShmWork(dist.Work):
         return self._job.future
 
     def is_completed(self):
-        return self._job.done
+        return self._job.event.is_set()
 
     def is_success(self):
-        return self._job.done and self._job.error is None
+        return self._job.event.is_set() and self._job.error is None
 
     def exception(self):
         return self._job.error

@@ -1,0 +1,128 @@
+"""send / recv / recv_anysource for EngineProcessGroup, with ProcessGroupGloo's semantics.
+
+P2P ops never go through the collective Executor: a receive waiting for its message would
+hold up every later collective (and a recv queued behind a collective that needs the
+sender's progress could deadlock). They are posted to the engine at call time (p2p.py);
+the engine's progress thread completes them and P2PWork.wait() blocks on that. So, as with
+gloo, isend/irecv return at once, batch_isend_irecv may post receives before sends, and a
+send completes once its data is in the mailbox, not when the peer has received it.
+`dist.batch_isend_irecv` needs nothing more: for a Python ProcessGroup subclass torch 2.13
+takes its non-coalescing path (one isend/irecv call per P2POp).
+"""
+
+import torch
+import torch.distributed as dist
+
+from ..errors import CollectiveTimeoutError
+from . import checks
+from .convert import as_array
+from .work import torch_error
+
+__all__ = ["P2PMixin", "P2PWork"]
+
+
+class P2PWork(dist.Work):
+    """torch Work over an engine p2p.Request; the future is completed by the progress thread
+    (so `.then()` callbacks run there: keep them short and non-blocking)."""
+
+    def __init__(self, name, request, outputs, on_abort=None):
+        super().__init__()
+        self._name = name
+        self._req = request
+        self._outputs = outputs
+        self._on_abort = on_abort
+        self._error = None
+        self._future = torch.futures.Future()
+        request.add_done_callback(self._settle)
+
+    def _settle(self, request):
+        if request.error is not None:
+            self._future.set_exception(self.exception())
+        else:
+            self._future.set_result(self._outputs)
+
+    def wait(self, timeout=None):
+        timeout_s = None
+        if timeout is not None:
+            timeout_s = (timeout.total_seconds() if hasattr(timeout, "total_seconds")
+                         else float(timeout))
+            if timeout_s <= 0:
+                timeout_s = None
+        try:
+            self._req.wait(timeout_s)
+        except CollectiveTimeoutError:
+            if self._req.is_completed():
+                raise self.exception() from None
+            ms = int(round(timeout_s * 1000))
+            if self._on_abort is not None:
+                self._on_abort()
+            raise torch_error(RuntimeError(
+                f"{self._name}: Timed out waiting {ms}ms for the operation to complete; the "
+                f"group was aborted")) from None
+        except Exception:
+            raise self.exception() from None
+        return True
+
+    def get_future(self):
+        return self._future
+
+    def is_completed(self):
+        return self._req.is_completed()
+
+    def is_success(self):
+        return self._req.is_completed() and self._req.error is None
+
+    def exception(self):
+        if self._error is None and self._req.error is not None:
+            self._error = torch_error(self._req.error)
+        return self._error
+
+    def result(self):
+        self.wait()
+        return self._outputs
+
+    def source_rank(self):
+        if self._req.op != "recv":
+            raise RuntimeError("sourceRank() may only be called on work objects that "
+                               "correspond to a recv or recv-from-any call.")
+        return self._req.source
+
+    def _source_rank(self):
+        return self.source_rank()
+
+    def synchronize(self):
+        self.wait()
+
+
+class P2PMixin:
+    """Point-to-point methods of EngineProcessGroup (uses self.group and self.size())."""
+
+    def send(self, tensors, dstRank, tag=0):
+        array, tensors = self._p2p_args("send", tensors, dstRank, tag, "destination")
+        return self._p2p_post("send", tensors, self.group.isend, array, dstRank, tag)
+
+    def recv(self, tensors, srcRank, tag=0):
+        array, tensors = self._p2p_args("recv", tensors, srcRank, tag, "source")
+        return self._p2p_post("recv", tensors, self.group.irecv, array, srcRank, tag)
+
+    def recv_anysource(self, tensors, tag=0):
+        array, tensors = self._p2p_args("recvAnysource", tensors, None, tag, "source")
+        return self._p2p_post("recvAnysource", tensors, self.group.irecv, array, None, tag)
+
+    def _p2p_args(self, name, tensors, peer, tag, what):
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        if len(tensors) != 1:
+            checks.fail(name, "takes a single tensor")
+        checks.dense_cpu(name, tensors)
+        if not isinstance(tag, int) or tag < 0:
+            checks.fail(name, f"Tag must be nonnegative, got {tag}")
+        if peer is not None and not 0 <= peer < self.size():
+            checks.fail(name, f"invalid {what} rank: {peer} (group size {self.size()})")
+        return as_array(tensors[0], for_reduce=False)[0], tensors
+
+    def _p2p_post(self, name, tensors, start, array, peer, tag):
+        try:
+            request = start(array, peer, tag)
+        except RuntimeError as e:  # poisoned, aborted or closed group
+            raise torch_error(e) from None
+        return P2PWork(name, request, tensors, self.group.abort)
