@@ -7,6 +7,7 @@ Argument errors and mismatches leave it usable (no shared state changed).
 """
 
 import collections
+import copy
 import logging
 import os
 import time
@@ -115,7 +116,13 @@ class Group:
         if self._closed:
             raise ShmcollError(f"{name}: the group was closed")
         if self._poison is not None:
-            raise type(self._poison)(str(self._poison))
+            # The same error (type, message, attributes such as PeerLostError.peer), fresh
+            # traceback: a poisoned group fails every call at once, before touching anything.
+            try:
+                again = copy.copy(self._poison).with_traceback(None)
+            except Exception:  # an exception type that cannot be rebuilt from its args
+                again = self._poison
+            raise again
 
     def _run(self, name, fp, algo, *args, timeout_s=None, nbytes=0):
         """Sequence, frame and run one collective; poison the group on fatal errors."""
@@ -158,8 +165,10 @@ class Group:
                      len(self.flight_record))
         for e in self.flight_record:
             took = f"{(e['t_end'] - e['t_start']) * 1e3:.3f} ms" if e["t_end"] else "unfinished"
-            logger.error("  seq %d %s %d bytes %s (%s)", e["seq"], e["op"], e["nbytes"],
-                         e["state"], took)
+            started = time.strftime("%H:%M:%S", time.localtime(e["t_start"])) + \
+                f".{int(e['t_start'] % 1 * 1e6):06d}"
+            logger.error("  seq %d %s %d bytes %s, started %s (%s)", e["seq"], e["op"],
+                         e["nbytes"], e["state"], started, took)
         if self._arena is not None:
             for r, posted, seq, state in self._arena.peer_states():
                 logger.error("  rank %d: step %d, seq %d, state %d", r, posted, seq, state)
@@ -175,18 +184,20 @@ class Group:
 
     def barrier(self, timeout_s=None):
         self._usable("barrier")
-        self._run("barrier", (), self._select("barrier", 0), timeout_s=timeout_s)
+        algo = _local_nothing if self._arena is None else self._select("barrier", 0)
+        self._run("barrier", (), algo, timeout_s=timeout_s)
 
     def all_reduce(self, array, op=ReduceOp.SUM, dtype=None, timeout_s=None, premul=1.0):
         """Reduce `array` over all ranks, in place."""
         self._usable("all_reduce")
+        _check_arrays("all_reduce", [array])
         dt = dtype_of(array, dtype)
         spec = reduce_spec(op, dt, self.world_size, "all_reduce", premul)
         f = _Flat(array, dt.storage)
         nbytes = f.flat.nbytes
         algo = _local_reduce if self._arena is None else self._select("all_reduce", nbytes)
-        self._run("all_reduce", (dt.code, f.flat.size, 0, int(op)), algo, f.flat, spec,
-                  timeout_s=timeout_s, nbytes=nbytes)
+        self._run("all_reduce", (dt.code, f.flat.size, 0, int(op), _shape(array)), algo,
+                  f.flat, spec, timeout_s=timeout_s, nbytes=nbytes)
         f.write_back()
         return array
 
@@ -194,8 +205,10 @@ class Group:
         """Copy `array` from `root` to every rank, in place."""
         self._usable("broadcast")
         self._root("broadcast", root)
+        _check_arrays("broadcast", [array])
         f = _Flat(array, array.dtype, copy_in=(self.rank == root))
-        self._run("broadcast", (_code_of(array), f.flat.size, root, 0),
+        self._run("broadcast", (_code_of(array), f.flat.size, root, 0, _shape(array)),
+                  _local_nothing if self._arena is None else
                   self._select("broadcast", f.flat.nbytes), _bytes(f.flat), root,
                   timeout_s=timeout_s, nbytes=f.flat.nbytes)
         if self.rank != root:
@@ -206,12 +219,13 @@ class Group:
         """Reduce `array` over all ranks into `root`'s array (others keep theirs)."""
         self._usable("reduce")
         self._root("reduce", root)
+        _check_arrays("reduce", [array])
         dt = dtype_of(array, dtype)
         spec = reduce_spec(op, dt, self.world_size, "reduce", premul)
         f = _Flat(array, dt.storage)
         algo = _local_reduce_rooted if self._arena is None else self._select("reduce", f.flat.nbytes)
-        self._run("reduce", (dt.code, f.flat.size, root, int(op)), algo, f.flat, root, spec,
-                  timeout_s=timeout_s, nbytes=f.flat.nbytes)
+        self._run("reduce", (dt.code, f.flat.size, root, int(op), _shape(array)), algo,
+                  f.flat, root, spec, timeout_s=timeout_s, nbytes=f.flat.nbytes)
         if self.rank == root:
             f.write_back()
         return array
@@ -220,14 +234,15 @@ class Group:
         """outs[j] (list of world_size arrays, or one array of world_size * array.size
         elements) receives rank j's `array`."""
         self._usable("all_gather")
-        outs = self._split_out("all_gather", outs, array)
+        _check_arrays("all_gather", [array])
+        outs, whole = self._split_out("all_gather", outs, array)
         src = np.ascontiguousarray(array)
         flats = [_Flat(o, o.dtype, copy_in=False) for o in outs]
-        self._run("all_gather", (_code_of(array), src.size, 0, 0),
+        self._run("all_gather", (_code_of(array), src.size, 0, 0, _shape(array)),
                   _local_all_gather if self._arena is None else self._select("all_gather", src.nbytes),
                   _bytes(src), [_bytes(f.flat) for f in flats], timeout_s=timeout_s,
                   nbytes=src.nbytes)
-        for f in flats:
+        for f in flats + whole:
             f.write_back()
         return outs
 
@@ -235,6 +250,7 @@ class Group:
         """out = reduction over ranks of their ins[rank]; `ins` is a list of world_size
         arrays (sizes may differ per destination) or one array of world_size * out.size."""
         self._usable("reduce_scatter")
+        _check_arrays("reduce_scatter", [out])
         dt = dtype_of(out, dtype)
         spec = reduce_spec(op, dt, self.world_size, "reduce_scatter", premul)
         ins = self._split_in("reduce_scatter", ins, out)
@@ -242,7 +258,7 @@ class Group:
         f = _Flat(out, dt.storage, copy_in=False)
         sizes = tuple(b.size for b in blocks)
         algo = _local_reduce_scatter if self._arena is None else self._select("reduce_scatter", 0)
-        self._run("reduce_scatter", (dt.code, sum(sizes), 0, int(op), hash(sizes) & 0x7FFFFFFF),
+        self._run("reduce_scatter", (dt.code, sum(sizes), 0, int(op), _shape(None, sizes)),
                   algo, blocks, f.flat, spec, timeout_s=timeout_s,
                   nbytes=sum(b.nbytes for b in blocks))
         f.write_back()
@@ -252,16 +268,17 @@ class Group:
         """Root's outs[j] receives rank j's array; non-roots pass outs=None."""
         self._usable("gather")
         self._root("gather", root)
+        _check_arrays("gather", [array])
         src = np.ascontiguousarray(array)
-        flats = []
+        flats, whole = [], []
         if self.rank == root:
-            outs = self._split_out("gather", outs, array)
+            outs, whole = self._split_out("gather", outs, array)
             flats = [_Flat(o, o.dtype, copy_in=False) for o in outs]
-        self._run("gather", (_code_of(array), src.size, root, 0),
+        self._run("gather", (_code_of(array), src.size, root, 0, _shape(array)),
                   _local_all_gather_rooted if self._arena is None else self._select("gather", 0),
                   _bytes(src), [_bytes(f.flat) for f in flats], root, timeout_s=timeout_s,
                   nbytes=src.nbytes)
-        for f in flats:
+        for f in flats + whole:
             f.write_back()
         return outs
 
@@ -269,11 +286,12 @@ class Group:
         """Rank j's `out` receives root's ins[j]; non-roots pass ins=None."""
         self._usable("scatter")
         self._root("scatter", root)
+        _check_arrays("scatter", [out])
         pieces = []
         if self.rank == root:
             pieces = [_bytes(np.ascontiguousarray(a)) for a in self._split_in("scatter", ins, out)]
         f = _Flat(out, out.dtype, copy_in=False)
-        self._run("scatter", (_code_of(out), f.flat.size, root, 0),
+        self._run("scatter", (_code_of(out), f.flat.size, root, 0, _shape(out)),
                   _local_scatter if self._arena is None else self._select("scatter", 0),
                   pieces, _bytes(f.flat), root, timeout_s=timeout_s, nbytes=f.flat.nbytes)
         f.write_back()
@@ -285,6 +303,7 @@ class Group:
         if len(ins) != self.world_size or len(outs) != self.world_size:
             raise ValueError(f"all_to_all: expected {self.world_size} inputs and outputs, got "
                              f"{len(ins)} and {len(outs)}")
+        _check_arrays("all_to_all", list(outs) + list(ins), same_dtype=True)
         src = [_bytes(np.ascontiguousarray(a)) for a in ins]
         flats = [_Flat(o, o.dtype, copy_in=False) for o in outs]
         self._run("all_to_all", (_code_of(outs[0]) if outs else 0, 0, 0, 0),
@@ -295,21 +314,83 @@ class Group:
             f.write_back()
         return outs
 
+    # == point-to-point (p2p.py) =========================================================
+    # send/recv through per-pair mailboxes driven by the P2PEngine's progress thread. P2P
+    # consumes no seq number and touches no step counter, so it interleaves freely with
+    # collectives. Timeouts, lost peers and aborts poison the group as collectives do.
+
+    def attach_p2p(self, engine):
+        """Use `engine` (a p2p.P2PEngine; new_shm_group wires it) for send/recv."""
+        self._p2p = engine
+
+        def failed(error):
+            if self._poison is None:
+                self._poison = error
+        engine.on_fatal = failed
+
+    def isend(self, array, dst, tag=0, timeout_s=None):
+        """Start sending `array` to rank `dst`; returns a p2p.Request (wait() -> None).
+        Completes once the data is in the mailbox; do not modify `array` before that."""
+        engine = self._p2p_engine("send", dst, "destination")
+        data = _bytes(np.ascontiguousarray(array))
+        return engine.isend(data, dst, tag, self._p2p_timeout(timeout_s))
+
+    def irecv(self, array, src=None, tag=0, timeout_s=None):
+        """Start receiving into `array` from rank `src` (None: any rank); returns a
+        p2p.Request whose wait() returns the sender's rank."""
+        engine = self._p2p_engine("recv", src, "source")
+        f = _Flat(array, array.dtype, copy_in=False)
+        return engine.irecv(_bytes(f.flat), src, tag, self._p2p_timeout(timeout_s),
+                            f.write_back if f._copied else None)
+
+    def send(self, array, dst, tag=0, timeout_s=None):
+        """Send `array` to rank `dst` (returns once it is in the mailbox, not when received)."""
+        self.isend(array, dst, tag, timeout_s).wait()
+
+    def recv(self, array, src, tag=0, timeout_s=None):
+        """Receive into `array` from rank `src`; returns src."""
+        return self.irecv(array, src, tag, timeout_s).wait()
+
+    def recv_any(self, array, tag=0, timeout_s=None):
+        """Receive into `array` from whichever rank sends first with `tag`; returns its rank."""
+        return self.irecv(array, None, tag, timeout_s).wait()
+
+    def _p2p_engine(self, name, peer, what):
+        self._usable(name)
+        engine = getattr(self, "_p2p", None)
+        if engine is None:
+            raise ShmcollError(f"{name}: this group has no point-to-point engine")
+        if peer is not None and not 0 <= peer < self.world_size:
+            raise ValueError(f"{name}: invalid {what} rank {peer} (world size {self.world_size})")
+        return engine
+
+    def _p2p_timeout(self, timeout_s):
+        return self.timeout_s if timeout_s is None else float(timeout_s)
+
+    # == end of point-to-point ===========================================================
+
     # -- list helpers --------------------------------------------------------------------
 
     def _split_out(self, name, outs, array):
+        """-> (world_size output arrays, [_Flat to write back after the collective]).
+
+        One output array is split through a _Flat: `reshape(-1)` of a strided array may be
+        a copy, and results written into a copy would be lost."""
+        whole = []
         if isinstance(outs, np.ndarray):
             if outs.size != self.world_size * array.size:
                 raise ValueError(f"{name}: output has {outs.size} elements, expected "
                                  f"{self.world_size} x {array.size}")
-            outs = np.split(outs.reshape(-1), self.world_size) if outs.size else \
-                [outs.reshape(-1)] * self.world_size
+            whole = [_Flat(outs, outs.dtype, copy_in=False)]
+            flat = whole[0].flat
+            outs = np.split(flat, self.world_size) if flat.size else [flat] * self.world_size
         if len(outs) != self.world_size:
             raise ValueError(f"{name}: expected {self.world_size} outputs, got {len(outs)}")
+        _check_arrays(name, [array] + list(outs), same_dtype=True)
         for o in outs:
             if o.nbytes != array.nbytes:
                 raise ValueError(f"{name}: output has {o.nbytes} bytes, input {array.nbytes}")
-        return outs
+        return outs, whole
 
     def _split_in(self, name, ins, out):
         if isinstance(ins, np.ndarray):
@@ -320,6 +401,7 @@ class Group:
                 [ins.reshape(-1)] * self.world_size
         if len(ins) != self.world_size:
             raise ValueError(f"{name}: expected {self.world_size} inputs, got {len(ins)}")
+        _check_arrays(name, [out] + list(ins), same_dtype=True)
         if ins[self.rank].size != out.size:
             raise ValueError(f"{name}: input for rank {self.rank} has {ins[self.rank].size} "
                              f"elements, output {out.size}")
@@ -345,7 +427,9 @@ class Group:
         first = None
         if self._arena is not None:
             try:
-                self._arena.set_state(2)
+                # A poisoned group stays ABORTED for the peers (a late peer must fail, not
+                # complete its collective with our data); a healthy one says CLOSED.
+                self._arena.set_state(1 if self._poison is not None else 2)
             except Exception as e:
                 first = e
         self._arena = None
@@ -357,6 +441,24 @@ class Group:
         self._closers = []
         if first is not None:
             raise first
+
+
+def _check_arrays(name, arrays, same_dtype=False):
+    """Arguments are numpy arrays (TypeError otherwise), of one dtype where bytes move
+    between them (a float64 input into float32 outputs would be silently reinterpreted)."""
+    for i, a in enumerate(arrays):
+        if not isinstance(a, np.ndarray):
+            raise TypeError(f"{name}: expected a numpy array at index {i}, got {type(a).__name__}")
+        if same_dtype and a.dtype != arrays[0].dtype:
+            raise TypeError(f"{name}: mixed dtypes: {arrays[0].dtype} and {a.dtype} at index {i}")
+
+
+def _shape(array, extra=()):
+    """Fingerprint word for the array's shape (None: only `extra`, e.g. reduce_scatter's
+    split sizes, whose outputs legitimately differ in shape per rank). Equal shapes give
+    equal words on every rank (hashes of int tuples do not depend on PYTHONHASHSEED)."""
+    shape = () if array is None else tuple(array.shape)
+    return hash((shape, tuple(extra))) & 0x7FFFFFFFFFFFFFFF
 
 
 def _code_of(array):
@@ -372,6 +474,10 @@ def _noop(arena, *args):
 
 
 # world_size == 1: the same semantics without any shared memory.
+def _local_nothing(arena, *args):
+    """barrier and broadcast of a single rank: nothing to wait for or copy."""
+
+
 def _local_reduce(arena, flat, spec):
     if flat.size and (spec.pre != 1.0 or spec.post != 1.0):
         from .kernels import reduce_into

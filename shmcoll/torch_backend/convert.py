@@ -28,6 +28,9 @@ _OPS = {
 }
 
 
+_OPS_BY_TYPE = dict(_OPS)
+
+
 def engine_dtype(t):
     """The engine dtype name of a tensor, or None when it cannot be reduced."""
     return SUPPORTED_DTYPES.get(t.dtype)
@@ -55,14 +58,17 @@ def as_array(t, for_reduce=True):
 def reduce_op(op):
     """(engine ReduceOp, premul factor) of a torch ReduceOp / RedOpType."""
     kind = getattr(op, "op", op)
-    for torch_op, ours in _OPS.items():
-        if kind == torch_op:
-            factor = 1.0
-            if ours == ReduceOp.PREMUL_SUM:
-                f = getattr(op, "factor", 1.0)
-                factor = float(f.item() if isinstance(f, torch.Tensor) else f)
-            return ours, factor
-    raise ValueError(f"unsupported reduction operation {kind}")
+    try:
+        ours = _OPS_BY_TYPE.get(kind)  # RedOpType hashes by value: one lookup per call
+    except TypeError:
+        ours = None
+    if ours is None:
+        raise ValueError(f"unsupported reduction operation {kind}")
+    factor = 1.0
+    if ours == ReduceOp.PREMUL_SUM:
+        f = getattr(op, "factor", 1.0)
+        factor = float(f.item() if isinstance(f, torch.Tensor) else f)
+    return ours, factor
 
 
 def to_seconds(value):

@@ -181,7 +181,7 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
 
     # -- plumbing ------------------------------------------------------------------------
 
-    def _submit(self, name, fn, value, count_seq=True):
+    def _submit(self, name, fn, value, count_seq=True, opts=None):
         """Queue `fn` (runs in issue order); the Work's future gets `value`."""
         rank = self.rank()
 
@@ -194,14 +194,20 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
                     f"first failure: {poison}")
             return fn()
 
+        # asyncOp is False only when the torch front end will wait at once (async_op=False):
+        # then run the op on this thread instead of waking the worker.
+        run_here = opts is not None and not getattr(opts, "asyncOp", True)
         with self._lock:
-            job = self._executor.submit(Job(name, run, value))
+            run_here = run_here and self._coalescing is None
+            job = self._executor.submit(Job(name, run, value), notify=not run_here)
             self._last_job = job
             if count_seq:
                 self._seq += 1
             work = ShmWork(self._executor, job)
             if self._coalescing is not None:
                 self._coalescing.append(work)
+        if run_here:
+            self._executor.run_now(job)
         return work
 
     def _op_timeout(self, opts):
@@ -319,7 +325,7 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
             self.group.all_reduce(first, op, dtype, t_s, premul)
             for a, _ in arrays[1:]:
                 a[...] = first
-        return self._submit(name, run, tensors)
+        return self._submit(name, run, tensors, opts=opts)
 
     def _allreduce_sparse(self, tensors, opts):
         kind = getattr(opts.reduceOp, "op", opts.reduceOp)
@@ -330,7 +336,7 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
 
         def run():
             _sparse.allreduce_sum(self.group, tensors, t_s)
-        return self._submit("allreduce", run, tensors)
+        return self._submit("allreduce", run, tensors, opts=opts)
 
     def allreduce_coalesced(self, tensors, opts=None):
         """Element-wise reduction of every list element on its own, one collective."""
@@ -365,7 +371,7 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
             for a, _ in arrays:
                 a[...] = flat[offset:offset + a.size].reshape(a.shape)
                 offset += a.size
-        return self._submit(name, run, tensors)
+        return self._submit(name, run, tensors, opts=opts)
 
     def reduce(self, tensors, opts=None, op=None, timeout=None):
         """reduce(tensors, opts) | reduce(tensor, root, op=SUM, timeout=None)."""
@@ -388,7 +394,7 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
         def run():
             a, dtype = arrays[0]
             self.group.reduce(a, root, op, dtype, t_s, premul)
-        return self._submit(name, run, tensors)
+        return self._submit(name, run, tensors, opts=opts)
 
     def reduce_scatter(self, output_tensors, input_lists, opts=None, timeout=None, op=None):
         """reduce_scatter([out], [[in_0 .. in_{n-1}]], opts) | reduce_scatter(out, [ins],
@@ -423,7 +429,7 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
 
         def run():
             self.group.reduce_scatter(out_arr, in_arrs, op, dtype, t_s, premul)
-        return self._submit(name, run, value)
+        return self._submit(name, run, value, opts=opts)
 
     def reduce_scatter_single(self, output, input, opts=None):
         """reduce_scatter_tensor: output = reduction of every rank's chunk `rank` of input."""
@@ -488,7 +494,7 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
             for (arr, _), in (p[0] for p in prepared):
                 arr[...] = out[offset:offset + arr.size].reshape(arr.shape)
                 offset += arr.size
-        return self._submit(name, run, outputs)
+        return self._submit(name, run, outputs, opts=opts)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -517,7 +523,7 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
             for i, a in enumerate(arrays):
                 if i != index:
                     a[...] = src
-        return self._submit(name, run, tensors)
+        return self._submit(name, run, tensors, opts=opts)
 
     def allgather(self, output_lists, input_tensors, opts=None, timeout=None):
         """allgather(output_lists, inputs, opts) | allgather(outputs, input, timeout=None).
@@ -563,7 +569,7 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
             for other in dsts[1:]:
                 for a, b in zip(other, first):
                     a[...] = b
-        return self._submit(name, run, _gloo_value(output_lists))
+        return self._submit(name, run, _gloo_value(output_lists), opts=opts)
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         """gloo semantics: output_lists[r][i] receives rank r's input_list[i]."""
@@ -627,7 +633,7 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
             job()
             if isinstance(chunks, _StridedChunks):
                 chunks.write_back()
-        return self._submit(name, run, [output])
+        return self._submit(name, run, [output], opts=opts)
 
     _allgather_base = all_gather_single
 
@@ -669,7 +675,7 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
             job()
             for c in fixups:
                 c.write_back()
-        return self._submit(name, run, outputs)
+        return self._submit(name, run, outputs, opts=opts)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -711,7 +717,7 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
 
         def run():
             self.group.gather(src, dsts, root, t_s)
-        return self._submit(name, run, _gloo_value(output_lists))
+        return self._submit(name, run, _gloo_value(output_lists), opts=opts)
 
     def scatter(self, output_tensors, input_lists, opts=None, timeout=None):
         """scatter(outputs, input_lists, opts) | scatter(output, inputs, root, timeout=None)."""
@@ -751,7 +757,7 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
 
         def run():
             self.group.scatter(dst, srcs, root, t_s)
-        return self._submit(name, run, outputs)
+        return self._submit(name, run, outputs, opts=opts)
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
         name = "alltoall"
@@ -769,7 +775,7 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
 
         def run():
             self.group.all_to_all(dst, src, t_s)
-        return self._submit(name, run, outs)
+        return self._submit(name, run, outs, opts=opts)
 
     def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None,
                           opts=None):
@@ -794,7 +800,7 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
 
         def run():
             self.group.all_to_all(dst, src, t_s)
-        return self._submit(name, run, [output])
+        return self._submit(name, run, [output], opts=opts)
 
     alltoall_base = all_to_all_single
 
@@ -820,7 +826,7 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
                         f"{ranks} failed to pass monitoredBarrier in {int(round(t_s * 1000))} "
                         f"ms") from None
                 raise
-        return self._submit("barrier", run, [])
+        return self._submit("barrier", run, [], opts=opts)
 
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):
         """gloo's monitoredBarrier: rank 0 waits for every other rank (through the store,

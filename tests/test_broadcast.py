@@ -1,0 +1,62 @@
+"""broadcast: every dtype x counts 0, 1, 3333, larger than a slot x every root x layouts, on
+world sizes 1-4; one real multi-MiB case with the default slot."""
+
+import functools
+
+import pytest
+
+import harness
+from cases import (COUNTS, DTYPES, SMALL_SLOT_ENV, assert_rank_results, case_name,
+                   check_broadcast, run_cases)
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
+
+WORLD_SIZES = [1, 2, 3, 4]
+JOB_TIMEOUT_S = 300
+
+
+def _sweep(rank, world_size, store, seed):
+    group = harness.new_group(store, rank, world_size)
+    try:
+        cases = []
+        for count in COUNTS:
+            for dtype in DTYPES:
+                for root in range(world_size):
+                    cases.append((case_name("broadcast", count=count, dtype=dtype, root=root),
+                                  functools.partial(check_broadcast, group, count, dtype, root,
+                                                    seed)))
+        for dtype in DTYPES:
+            root = world_size - 1
+            for count, layout in ((3333, "strided"), (3333, "strided2d"), (1, "0d"),
+                                  (0, "strided")):
+                cases.append((case_name("broadcast", count=count, dtype=dtype, root=root,
+                                        layout=layout),
+                              functools.partial(check_broadcast, group, count, dtype, root,
+                                                seed, layout)))
+        return run_cases(cases)
+    finally:
+        group.close()
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_broadcast(kind, world_size, seed):
+    results = harness.run_ranks(_sweep, world_size, kind, timeout_s=JOB_TIMEOUT_S, args=(seed,),
+                                env=SMALL_SLOT_ENV)
+    assert_rank_results(results)
+
+
+def _multi_mib(rank, world_size, store, seed):
+    group = harness.new_group(store, rank, world_size)
+    try:
+        count = (9 << 20) // 8 + 3  # 9 MiB of float64: three chunks of the default 4 MiB slot
+        return run_cases([(case_name("broadcast", count=count, dtype="float64", root=root),
+                           functools.partial(check_broadcast, group, count, "float64", root,
+                                             seed)) for root in (0, world_size - 1)])
+    finally:
+        group.close()
+
+
+def test_broadcast_multi_mib_default_slot(kind, seed):
+    results = harness.run_ranks(_multi_mib, 3, kind, timeout_s=JOB_TIMEOUT_S, args=(seed,),
+                                env={"SHMCOLL_SLOT_BYTES": None})
+    assert_rank_results(results)

@@ -1,0 +1,81 @@
+"""algorithms.select(): a pure function of (collective, nbytes, world_size, direct_max_nbytes).
+
+It reads no environment (the group passes SHMCOLL_DIRECT_MAX_BYTES in), keeps no state, and
+cuts all_reduce over from one-shot to two-shot just above the per-world-size threshold."""
+
+import itertools
+
+import pytest
+
+from shmcoll import algorithms
+from shmcoll.algorithms import (ONE_SHOT_MAX_NBYTES, all_gather_direct, all_reduce_one_shot,
+                                all_reduce_two_shot, all_to_all_direct, barrier_flags,
+                                broadcast_direct, gather_direct, reduce_direct,
+                                reduce_scatter_direct, scatter_direct, select)
+
+FIXED = {
+    "broadcast": broadcast_direct, "reduce": reduce_direct, "all_gather": all_gather_direct,
+    "reduce_scatter": reduce_scatter_direct, "barrier": barrier_flags,
+    "gather": gather_direct, "scatter": scatter_direct, "all_to_all": all_to_all_direct,
+}
+DEFAULT_LIMIT = algorithms.ONE_SHOT_MAX_NBYTES_DEFAULT
+
+
+def _limit(world_size):
+    return ONE_SHOT_MAX_NBYTES.get(world_size, DEFAULT_LIMIT)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, 5, 8, 16])
+def test_all_reduce_threshold(world_size):
+    limit = _limit(world_size)
+    for nbytes in (0, 1, 4096, limit - 1, limit):
+        if nbytes >= 0:
+            assert select("all_reduce", nbytes, world_size) is all_reduce_one_shot, nbytes
+    if limit < (1 << 62):
+        for nbytes in (limit + 1, limit * 4, 1 << 40):
+            assert select("all_reduce", nbytes, world_size) is all_reduce_two_shot, nbytes
+
+
+def test_thresholds_table():
+    # two ranks: one-shot reads as many bytes as two-shot with one wait fewer: always
+    assert select("all_reduce", 1 << 40, 2) is all_reduce_one_shot
+    assert ONE_SHOT_MAX_NBYTES[3] == 256 << 10 and ONE_SHOT_MAX_NBYTES[4] == 128 << 10
+    assert DEFAULT_LIMIT == 64 << 10
+    # thresholds never grow with the world size (one-shot reads N * S per rank)
+    sizes = [2, 3, 4, 5, 6, 8, 16, 64]
+    limits = [_limit(n) for n in sizes]
+    assert limits == sorted(limits, reverse=True)
+
+
+@pytest.mark.parametrize("override", [0, 1, 4096, 1 << 30])
+def test_direct_max_override(override):
+    for world_size, nbytes in itertools.product([2, 3, 4, 8], [0, 1, 4096, 4097, 1 << 31]):
+        expected = all_reduce_one_shot if nbytes <= override else all_reduce_two_shot
+        assert select("all_reduce", nbytes, world_size, override) is expected
+    # negative = "use the table"
+    assert select("all_reduce", 1 << 20, 4, -1) is select("all_reduce", 1 << 20, 4)
+
+
+@pytest.mark.parametrize("collective", sorted(FIXED))
+def test_fixed_choices(collective):
+    for nbytes, world_size, override in itertools.product([0, 1, 1 << 20, 1 << 34], [2, 3, 4, 8],
+                                                          [-1, 0, 1 << 20]):
+        assert select(collective, nbytes, world_size, override) is FIXED[collective]
+
+
+def test_unknown_collective():
+    with pytest.raises(NotImplementedError, match="all_reduce_coalesced"):
+        select("all_reduce_coalesced", 0, 2)
+
+
+def test_pure_function(monkeypatch):
+    """Same answer whatever the environment and however often it is asked; no state."""
+    grid = list(itertools.product(["all_reduce", *FIXED], [0, 1, 64 << 10, 200 << 10,
+                                                           300 << 10, 1 << 30],
+                                  [2, 3, 4, 5, 8], [-1, 0, 100 << 10]))
+    before = [select(*args) for args in grid]
+    monkeypatch.setenv("SHMCOLL_DIRECT_MAX_BYTES", "0")
+    monkeypatch.setenv("SHMCOLL_SLOT_BYTES", "65536")
+    assert [select(*args) for args in grid] == before
+    assert [select(*args) for args in reversed(grid)] == before[::-1]
+    assert ONE_SHOT_MAX_NBYTES == {2: 1 << 62, 3: 256 << 10, 4: 128 << 10}
