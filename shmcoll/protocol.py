@@ -13,6 +13,7 @@ ranks' writers never share a cache line, nor do adjacent-line prefetches pair th
            |   0 magic u64 'SHMCOLL\\x01'   8 layout version u64          |
            |  16 group token (16 B)        32 world_size  40 rank         |
            |  48 owner pid  56 region nbytes  64 slot nbytes  72 nslots   |
+           |  80 p2p cells  88 p2p cell nbytes                            |
     4096   +-------------------------------------------------------------+
            | control block: CTRL_LINES lines x 128 B, one i64 per line    |
            |   line 0  POSTED  monotonic step counter (only owner writes) |
@@ -23,6 +24,14 @@ ranks' writers never share a cache line, nor do adjacent-line prefetches pair th
            |            op, extra)                                         |
     DATA   +-------------------------------------------------------------+
            | slot 0 | slot 1 | ... (nslots x slot_nbytes, 4 KiB aligned)  |
+    P2P    +-------------------------------------------------------------+
+           | point-to-point area (p2p.py has the protocol; absent when     |
+           | p2p_cells == 0), 4 KiB aligned:                               |
+           |   CONSUMED[s]: world_size lines x 128 B, one i64 per line:    |
+           |     cells from rank s this rank has consumed (owner writes)   |
+           |   RING[d][k]: world_size x p2p_cells cells of 128 B header +  |
+           |     p2p_cell_nbytes payload: this rank's mailbox to rank d    |
+           |     (header word 0 = cell sequence, release-stored last)      |
            +-------------------------------------------------------------+
 
 Rules (each rank, for every collective, in the same order on every rank):
@@ -34,16 +43,27 @@ Rules (each rank, for every collective, in the same order on every rank):
    DeepSpeed #4048 bug class), and no word is ever reset.
 4. The first wait of every collective waits for ALL peers and then compares fingerprints: a
    mismatch raises CollectiveMismatchError on every rank before any peer data is read. All
-   ranks posted exactly once for it, so counters stay aligned and the group stays usable.
-5. Slot reuse: a rank reads a peer's slot only between wait_all(t) and its own next post. A
+   ranks posted exactly once for it, so counters stay aligned and the group stays usable
+   (the slots it published are released again: nobody read them). The same check refuses
+   to complete a collective when a peer's STATE says ABORTED (it failed this or an earlier
+   collective), so a late rank fails at the same collective as its peers.
+5. A wait that does not complete at once checks, between short sleeps, its own STATE
+   (abort()), every missing peer's liveness (pidfd) and STATE (CLOSED / ABORTED), and the
+   deadline: a dead or closed peer -> PeerLostError naming its rank and pid; an aborted one
+   -> GroupAbortedError; the deadline -> CollectiveTimeoutError listing the missing ranks
+   and their last seq.
+6. Slot reuse: a rank reads a peer's slot only between wait_all(t) and its own next post. A
    slot published at step s (last written before post s) is therefore free again once every
    peer has posted s + 1; claim(i) waits for that. Slots rotate in claim order, which is the
    same on every rank because chunk counts derive from fingerprint-checked arguments.
 
-Memory ordering: POSTED is the only synchronizing word; it is written with a release store
-and read with an acquire load (atomics.py), so data and fingerprint stores before a post
-happen-before a peer's reads after its wait. STATE is advisory (abort/close notification)
-and is read only on the slow path. Peers' regions are input, not truth: the header is
+Point-to-point messages (send/recv) use only the P2P area and never touch POSTED, SEQ or
+the fingerprints, so they interleave freely with collectives; their rules are in p2p.py.
+
+Memory ordering: POSTED is the only synchronizing word of collectives; it is written with a
+release store and read with an acquire load (atomics.py), so data and fingerprint stores
+before a post happen-before a peer's reads after its wait. STATE is advisory (abort/close
+notification), read on the slow path and once per collective at the fingerprint check. Peers' regions are input, not truth: the header is
 validated on attach (shm.py) and fingerprints are compared, never used as lengths.
 """
 
@@ -73,7 +93,7 @@ __all__ = [
 ]
 
 MAGIC = int.from_bytes(b"SHMCOLL\x01", "little")
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: p2p area and its header fields
 HEADER_NBYTES = 4096
 LINE_NBYTES = 128  # two 64-byte lines: defeats the adjacent-line prefetcher pairing lines
 LINE_WORDS = LINE_NBYTES // 8
@@ -88,38 +108,76 @@ STATE_LIVE, STATE_ABORTED, STATE_CLOSED = 0, 1, 2
 
 _H_MAGIC, _H_VERSION, _H_TOKEN, _H_WORLD, _H_RANK = 0, 8, 16, 32, 40
 _H_PID, _H_NBYTES, _H_SLOT, _H_NSLOTS = 48, 56, 64, 72
+_H_P2P_CELLS, _H_P2P_CELL = 80, 88
+_H_WORDS_END = 96
 
 # Wait tiers (see DESIGN_NOTES §14). SPINS: pause-polls before yielding (~50-100 us);
 # YIELDS: sched_yield polls per kernel call; then Python sleeps with backoff up to
 # SLEEP_MAX_S, checking deadline, abort words and peer liveness between calls.
 SPINS = 2000
 YIELDS = 200
+# Yield polls between sleeps once a wait is slow. Few: on a loaded host every sched_yield
+# can hand the core away for a whole time slice, and 200 of them would delay the deadline,
+# abort and liveness checks (SIGKILLed peers) by up to a second.
+SLOW_YIELDS = 8
 SLEEP_MIN_S = 20e-6
 SLEEP_MAX_S = 1e-3
 
 
 class RegionLayout:
-    """Byte geometry of one rank's region; identical for every rank of a group."""
+    """Byte geometry of one rank's region; identical for every rank of a group.
 
-    __slots__ = ("slot_nbytes", "nslots", "ctrl_offset", "data_offset", "nbytes")
+    `p2p_cells` cells of `p2p_cell_nbytes` per (this rank -> destination) pair make the
+    point-to-point area (p2p.py); 0 cells leave it out.
+    """
 
-    def __init__(self, slot_nbytes, nslots):
+    __slots__ = ("slot_nbytes", "nslots", "ctrl_offset", "data_offset", "nbytes", "world_size",
+                 "p2p_cells", "p2p_cell_nbytes", "p2p_offset", "p2p_ring_offset",
+                 "p2p_cell_stride")
+
+    def __init__(self, slot_nbytes, nslots, world_size=1, p2p_cells=0, p2p_cell_nbytes=0):
         if slot_nbytes <= 0 or slot_nbytes % 64:
             raise ValueError(f"slot_nbytes must be a positive multiple of 64, got {slot_nbytes}")
         if nslots < 2:
             raise ValueError(f"nslots must be >= 2 (double buffering), got {nslots}")
+        if p2p_cells < 0 or (p2p_cells and (p2p_cell_nbytes <= 0 or p2p_cell_nbytes % 64)):
+            raise ValueError(f"p2p needs cells >= 0 and cell bytes a positive multiple of 64, "
+                             f"got {p2p_cells} cells of {p2p_cell_nbytes} bytes")
         self.slot_nbytes = int(slot_nbytes)
         self.nslots = int(nslots)
+        self.world_size = int(world_size)
         self.ctrl_offset = HEADER_NBYTES
         ctrl_end = self.ctrl_offset + CTRL_LINES * LINE_NBYTES
-        self.data_offset = -(-ctrl_end // DATA_ALIGN) * DATA_ALIGN
-        self.nbytes = self.data_offset + self.slot_nbytes * self.nslots
+        self.data_offset = _align(ctrl_end, DATA_ALIGN)
+        slots_end = self.data_offset + self.slot_nbytes * self.nslots
+        self.p2p_cells = int(p2p_cells)
+        self.p2p_cell_nbytes = int(p2p_cell_nbytes) if p2p_cells else 0
+        self.p2p_offset = _align(slots_end, DATA_ALIGN)
+        self.p2p_ring_offset = self.p2p_offset + _align(self.world_size * LINE_NBYTES, DATA_ALIGN)
+        self.p2p_cell_stride = LINE_NBYTES + self.p2p_cell_nbytes  # header line + payload
+        if self.p2p_cells:
+            self.nbytes = self.p2p_ring_offset + \
+                self.world_size * self.p2p_cells * self.p2p_cell_stride
+        else:
+            self.nbytes = slots_end
+
+    def consumed_offset(self, src):
+        """Offset of CONSUMED[src] (the owner's count of cells taken from rank src)."""
+        return self.p2p_offset + src * LINE_NBYTES
+
+    def cell_offset(self, dst, k):
+        """Offset of cell k of the owner's mailbox ring to rank dst (its header line)."""
+        return self.p2p_ring_offset + (dst * self.p2p_cells + k) * self.p2p_cell_stride
+
+
+def _align(n, a):
+    return -(-n // a) * a
 
 
 def write_header(region, layout, token, world_size, rank, pid):
     """Fill the header of a freshly created (zeroed) region."""
     h = region[:HEADER_NBYTES]
-    words = h[:80].view(np.uint64)
+    words = h[:_H_WORDS_END].view(np.uint64)
     words[_H_MAGIC // 8] = MAGIC
     words[_H_VERSION // 8] = LAYOUT_VERSION
     h[_H_TOKEN:_H_TOKEN + 16] = np.frombuffer(token, np.uint8)
@@ -129,13 +187,15 @@ def write_header(region, layout, token, world_size, rank, pid):
     words[_H_NBYTES // 8] = layout.nbytes
     words[_H_SLOT // 8] = layout.slot_nbytes
     words[_H_NSLOTS // 8] = layout.nslots
+    words[_H_P2P_CELLS // 8] = layout.p2p_cells
+    words[_H_P2P_CELL // 8] = layout.p2p_cell_nbytes
 
 
 def read_header(region):
     """Decode a region header into a dict (no validation: shm.verify_header does that)."""
     if region.nbytes < HEADER_NBYTES:
         return None
-    words = region[:80].view(np.uint64)
+    words = region[:_H_WORDS_END].view(np.uint64)
     return {
         "magic": int(words[_H_MAGIC // 8]),
         "version": int(words[_H_VERSION // 8]),
@@ -146,7 +206,14 @@ def read_header(region):
         "nbytes": int(words[_H_NBYTES // 8]),
         "slot_nbytes": int(words[_H_SLOT // 8]),
         "nslots": int(words[_H_NSLOTS // 8]),
+        "p2p_cells": int(words[_H_P2P_CELLS // 8]),
+        "p2p_cell_nbytes": int(words[_H_P2P_CELL // 8]),
     }
+
+
+def _header_pid(region):
+    h = read_header(region)
+    return h["pid"] if h is not None and h["magic"] == MAGIC else None
 
 
 class Arena:
@@ -158,7 +225,8 @@ class Arena:
     one collective at a time.
     """
 
-    def __init__(self, regions, rank, layout, is_alive, describe=None, oversubscribed=False):
+    def __init__(self, regions, rank, layout, is_alive, describe=None, oversubscribed=False,
+                 pids=None):
         self.rank = rank
         self.world_size = len(regions)
         self.layout = layout
@@ -167,6 +235,8 @@ class Arena:
         self._regions = regions
         self._is_alive = is_alive
         self._describe = describe or (lambda fp: repr(fp))
+        # Owner pid of every region, for error messages only (never trusted for anything else).
+        self._pids = list(pids) if pids is not None else [_header_pid(reg) for reg in regions]
         ctrl = [reg[layout.ctrl_offset:layout.data_offset].view(np.int64) for reg in regions]
         self._ctrl = ctrl
         self._mine = ctrl[rank]
@@ -190,6 +260,7 @@ class Arena:
         self._seq = 0
         self._op_name = "?"
         self._fp = None
+        self._fp_list = []
         self._fp_pending = False
         self._deadline = float("inf")
         self._timeout_s = 0.0
@@ -204,11 +275,12 @@ class Arena:
         self._op_name = op_name
         self._timeout_s = timeout_s
         self._deadline = time.monotonic() + timeout_s
-        fp = (seq, self._step) + tuple(int(v) for v in fp)
+        fp = [seq, self._step, *map(int, fp)]
         line = (FP_LINE0 + seq % FP_RING) * LINE_WORDS
         self._mine[line:line + len(fp)] = fp
         self._mine[W_SEQ * LINE_WORDS] = seq
-        self._fp = fp
+        self._fp = tuple(fp)
+        self._fp_list = fp
         self._fp_pending = True
         self._begin_step = self._step
         self._slot_at_begin = self._next_slot
@@ -273,31 +345,51 @@ class Arena:
             if r == -2 or self._mine[W_STATE * LINE_WORDS] != STATE_LIVE:
                 raise GroupAbortedError(
                     f"{self._op_name}: rank {self.rank} aborted while waiting at seq {self._seq}")
-            peer = self._peers[r]
-            self._check_peer(peer, target)
+            self._check_peers(target)
             if time.monotonic() > self._deadline:
                 raise self._timeout_error(target)
             time.sleep(sleep_s)
             sleep_s = min(sleep_s * 2, SLEEP_MAX_S)
-            r = wait_all_ge(self._peer_posted, target, 0, YIELDS, self._state_addr)
+            r = wait_all_ge(self._peer_posted, target, 0, SLOW_YIELDS, self._state_addr)
             if r == -1:
                 return
 
-    def _check_peer(self, peer, target):
-        ctrl = self._ctrl[peer]
-        if ctrl[W_POSTED * LINE_WORDS] >= target:
+    def _check_peers(self, target):
+        """Raise if a peer we still wait for can never arrive.
+
+        Every missing peer is checked, not only the first: with 3+ ranks the first missing
+        peer may be alive and itself waiting for the dead one. A lost (dead or closed) peer
+        wins over an aborted one, so every survivor names the rank that was lost, not the
+        survivor that noticed it first and aborted.
+        """
+        missing = [p for p in self._peers if self._ctrl[p][W_POSTED * LINE_WORDS] < target]
+        if not missing:
             return
-        state = int(ctrl[W_STATE * LINE_WORDS])
-        if state == STATE_ABORTED:
+        aborted = None
+        for peer in missing:
+            state = int(self._ctrl[peer][W_STATE * LINE_WORDS])
+            if state == STATE_CLOSED or not self._is_alive(peer):
+                raise self._lost_error(peer, state)
+            if state == STATE_ABORTED and aborted is None:
+                aborted = peer
+        if aborted is not None:
+            # The aborting peer may have noticed a loss we have not waited on yet.
+            for peer in self._peers:
+                state = int(self._ctrl[peer][W_STATE * LINE_WORDS])
+                if state == STATE_CLOSED or not self._is_alive(peer):
+                    raise self._lost_error(peer, state)
             raise GroupAbortedError(
-                f"{self._op_name}: rank {peer} aborted the group while rank {self.rank} waited "
-                f"for it at seq {self._seq}; this group is unusable, create a new one")
-        if state == STATE_CLOSED or not self._is_alive(peer):
-            what = "closed the group" if state == STATE_CLOSED else "exited"
-            raise PeerLostError(
-                f"{self._op_name}: rank {peer} {what} while rank {self.rank} waited for it at "
-                f"seq {self._seq} (peer last seq {int(ctrl[W_SEQ * LINE_WORDS])}); "
-                f"this group is unusable, create a new one", peer=peer)
+                f"{self._op_name}: rank {aborted} aborted the group while rank {self.rank} "
+                f"waited for it at seq {self._seq}; this group is unusable, create a new one")
+
+    def _lost_error(self, peer, state):
+        what = "closed the group" if state == STATE_CLOSED else "exited"
+        pid = self._pids[peer] if peer < len(self._pids) else None
+        return PeerLostError(
+            f"{self._op_name}: rank {peer} (pid {pid}) {what} while rank {self.rank} waited "
+            f"for it at seq {self._seq} (peer last seq "
+            f"{int(self._ctrl[peer][W_SEQ * LINE_WORDS])}); this group is unusable, create a "
+            f"new one", peer=peer)
 
     def _timeout_error(self, target):
         missing = [p for p in self._peers if self._ctrl[p][W_POSTED * LINE_WORDS] < target]
@@ -310,16 +402,38 @@ class Arena:
 
     def _check_fingerprints(self):
         self._fp_pending = False
-        mine = self._fp
+        mine = self._fp_list
         line = (FP_LINE0 + self._seq % FP_RING) * LINE_WORDS
+        end = line + len(mine)
         for p in self._peers:
-            theirs = tuple(int(v) for v in self._ctrl[p][line:line + len(mine)])
+            theirs = self._ctrl[p][line:end].tolist()  # a copy: checked and rendered alike
             if theirs != mine:
                 # Undo this collective's slot rotation: no data moved, the group stays usable.
+                # Slots published by this collective were read by nobody (every peer raises
+                # at this same wait), and every peer has posted >= _known_min, so they are
+                # free again now; keeping their "free at step + 1" would make the next
+                # collective's claim() wait for a post that comes only after that claim.
                 self._next_slot = self._slot_at_begin
+                self._free_at = [min(f, self._known_min) for f in self._free_at]
+                ours, other = self._describe(tuple(mine[2:])), self._describe(tuple(theirs[2:]))
+                if theirs[0] != mine[0]:
+                    other += f" at seq {theirs[0]} (ranks are out of step)"
+                elif ours == other:
+                    other += " with a different shape or split sizes"
                 raise CollectiveMismatchError(
-                    f"seq {self._seq}: rank {self.rank} called {self._describe(mine[2:])} but "
-                    f"rank {p} called {self._describe(theirs[2:])}")
+                    f"seq {self._seq}: rank {self.rank} called {ours} but rank {p} called {other}")
+        # A peer that aborted (timeout, lost peer, abort()) failed this collective or an
+        # earlier one: do not complete it here with the data it left behind, so that every
+        # rank fails at the same collective (a late rank woken by SIGCONT included).
+        # CLOSED is not checked: a peer may finish the last collective and close at once.
+        for p in self._peers:
+            if self._ctrl[p][W_STATE * LINE_WORDS] == STATE_ABORTED:
+                for q in self._peers:  # name the lost rank the aborting peer noticed
+                    if not self._is_alive(q):
+                        raise self._lost_error(q, int(self._ctrl[q][W_STATE * LINE_WORDS]))
+                raise GroupAbortedError(
+                    f"{self._op_name}: rank {p} aborted the group before rank {self.rank} "
+                    f"reached seq {self._seq}; this group is unusable, create a new one")
 
     # -- lifecycle -------------------------------------------------------------------------
 

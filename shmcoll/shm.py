@@ -24,6 +24,7 @@ import mmap
 import os
 import secrets
 import select
+import time
 
 import numpy as np
 import posix_ipc
@@ -44,6 +45,42 @@ def segment_prefix():
 def _store_get(store, key):
     value = store.get(key)
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _wait_key(store, key, deadline, timeout_s, who, pid=None):
+    """store.get(key), but give up when `pid` (the rank we wait for) exits or the group
+    timeout passes, instead of blocking for the store's own timeout.
+
+    Needs store.check([key]) (c10d stores and shmcoll.FileStore have it); without it this is
+    a plain blocking get.
+    """
+    check = getattr(store, "check", None)
+    if check is None:
+        return _store_get(store, key)
+    fd = None
+    if pid is not None:
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            raise SegmentError(f"rendezvous: {who} exited before the group was set up") from None
+        except OSError:
+            fd = None  # no pidfds here: fall back to kill(pid, 0)
+    try:
+        delay = 1e-4
+        while not check([key]):
+            gone = select.select([fd], [], [], 0)[0] if fd is not None else \
+                (pid is not None and not _pid_exists(pid))
+            if gone:
+                raise SegmentError(f"rendezvous: {who} exited before the group was set up")
+            if time.monotonic() > deadline:
+                raise SegmentError(f"rendezvous: timed out after {timeout_s} s waiting for {who} "
+                                   f"(store key {key!r})")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.01)
+        return _store_get(store, key)
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def gc_stale(shm_dir="/dev/shm"):
@@ -133,11 +170,12 @@ class ShmRegions:
             raise
 
     def _rendezvous(self, store, timeout_s, shm_dir):
+        deadline = time.monotonic() + timeout_s
         gen = store.add(f"shmcoll/gen/{self.rank}", 1)
         base = f"shmcoll/{gen}"
         if self.rank == 0:
             store.set(f"{base}/token", secrets.token_hex(16))
-        token_hex = _store_get(store, f"{base}/token")
+        token_hex = _wait_key(store, f"{base}/token", deadline, timeout_s, "rank 0's group token")
         if len(token_hex) != 32:
             raise SegmentError(f"rendezvous: malformed group token {token_hex!r} in the store")
         gc_stale(shm_dir)
@@ -148,14 +186,18 @@ class ShmRegions:
         store.set(f"{base}/seg/{self.rank}", self._my_name)
         for peer in range(self.world_size):
             if peer != self.rank:
-                name = _store_get(store, f"{base}/seg/{peer}")
+                name = _wait_key(store, f"{base}/seg/{peer}", deadline, timeout_s,
+                                 f"rank {peer}'s segment")
                 self.regions[peer], self.pids[peer] = self._attach(name, token, peer)
         # NOTE: order matters: unlink only after every peer has attached, or a slow peer
         # would find no segment; after this point nothing can leak.
         store.set(f"{base}/attached/{self.rank}", "1")
         for peer in range(self.world_size):
             if peer != self.rank:
-                _store_get(store, f"{base}/attached/{peer}")
+                # A rank killed during init must not leave its peers waiting for the store's
+                # timeout: the wait ends as soon as its pid exits.
+                _wait_key(store, f"{base}/attached/{peer}", deadline, timeout_s,
+                          f"rank {peer} (pid {self.pids[peer]})", pid=self.pids[peer])
         self.unlink()
 
     def _create(self, name, token):
@@ -215,13 +257,21 @@ class ShmRegions:
         self._maps.append(mm)
         region = np.frombuffer(mm, np.uint8)
         self._verify_header(name, region, token, peer)
-        return region, protocol.read_header(region)["pid"]
+        pid = protocol.read_header(region)["pid"]
+        # The owner pid is used for liveness (pidfd) and stale-segment GC: it must be the
+        # pid its name was created with, not whatever the header claims.
+        if name.rsplit("-", 1)[-1] != str(pid):
+            raise SegmentError(f"attach {name!r}: header pid {pid} does not match the name "
+                               f"(stale or foreign segment)")
+        return region, pid
 
     def _verify_header(self, name, region, token, peer):
         h = protocol.read_header(region)
         expected = {"magic": protocol.MAGIC, "version": protocol.LAYOUT_VERSION, "token": token,
                     "world_size": self.world_size, "rank": peer, "nbytes": self.layout.nbytes,
-                    "slot_nbytes": self.layout.slot_nbytes, "nslots": self.layout.nslots}
+                    "slot_nbytes": self.layout.slot_nbytes, "nslots": self.layout.nslots,
+                    "p2p_cells": self.layout.p2p_cells,
+                    "p2p_cell_nbytes": self.layout.p2p_cell_nbytes}
         for field, want in expected.items():
             if h[field] != want:
                 raise SegmentError(f"attach {name!r}: header {field} is {h[field]!r}, expected "

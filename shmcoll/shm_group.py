@@ -20,15 +20,15 @@ def new_shm_group(store, rank, world_size, timeout_s=1800.0, cfg=None, name=""):
     cfg = cfg or _config.from_env()
     warm_up_async()  # load kernels from numba's cache while the rendezvous waits on peers
     if world_size == 1:  # no shared memory; a private region carries self-sends
-        layout = RegionLayout(64, 2, 1, cfg.p2p_cells, cfg.p2p_cell_nbytes)
+        layout = RegionLayout(64, 2, 1, _config.p2p_cells(cfg, 1), cfg.p2p_cell_nbytes)
         p2p = P2PEngine([np.zeros(layout.nbytes, np.uint8)], 0, layout, lambda peer: True,
                         name=name)
         group = Group(None, 0, 1, timeout_s, cfg.direct_max_nbytes, closers=[p2p.close],
                       name=name, aborter=p2p.abort)
         group.attach_p2p(p2p)
         return group
-    layout = RegionLayout(cfg.slot_nbytes, cfg.nslots, world_size, cfg.p2p_cells,
-                          cfg.p2p_cell_nbytes)
+    layout = RegionLayout(cfg.slot_nbytes, cfg.nslots, world_size,
+                          _config.p2p_cells(cfg, world_size), cfg.p2p_cell_nbytes)
     regions = ShmRegions(store, rank, world_size, layout, timeout_s, cfg.shm_dir)
     liveness = PidLiveness(regions.pids)
     spin = {"spin": False, "yield": True}.get(cfg.spin, is_oversubscribed(world_size))
