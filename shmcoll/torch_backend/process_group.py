@@ -178,6 +178,9 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
         # release the shared memory once the group object is gone.
         self._finalizer = weakref.finalize(self, _release, self._executor, group)
         self._last_job = None  # jobs run in issue order: this one done = nothing pending
+        done = Job("sync", lambda: None, [])
+        done.run()
+        self._completed_work = ShmWork(self._executor, done)  # returned by synchronous ops
 
     # -- plumbing ------------------------------------------------------------------------
 
@@ -194,9 +197,16 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
                     f"first failure: {poison}")
             return fn()
 
-        # asyncOp is False only when the torch front end will wait at once (async_op=False):
-        # then run the op on this thread instead of waking the worker.
+        # asyncOp is False only when the torch front end will wait at once (async_op=False)
+        # and drop the Work: run the op right here, with no Job, no worker wake-up and a
+        # shared already-completed Work (the latency path of dist.all_reduce(t)).
         run_here = opts is not None and not getattr(opts, "asyncOp", True)
+        if run_here and self._coalescing is None:
+            with self._lock:
+                if count_seq:
+                    self._seq += 1
+            self._executor.run_inline(run)
+            return self._completed_work
         with self._lock:
             run_here = run_here and self._coalescing is None
             job = self._executor.submit(Job(name, run, value), notify=not run_here)

@@ -122,6 +122,20 @@ class Executor:
                 self._cv.notify()
         return job
 
+    def run_inline(self, fn):
+        """Run `fn` on this thread after every queued job (issue order holds); its error is
+        raised here, typed as a torch DistBackendError."""
+        with self._running:
+            if self._stopped:
+                raise torch_error(RuntimeError(
+                    f"the process group was {self._stop_reason}; it accepts no new operations "
+                    f"(create a new process group)"))
+            self._run_until(None)
+            try:
+                return fn()
+            except BaseException as e:
+                raise torch_error(e) from None
+
     def run_now(self, job):
         """Run the queue up to and including `job` on this thread (after whatever an earlier
         async op still needs); returns when `job` is done."""
