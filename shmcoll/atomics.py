@@ -22,8 +22,10 @@ __all__ = [
     "store_release",
     "cpu_pause",
     "wait_all_ge",
+    "wait_any_ge",
     "add_release",
     "sched_yield",
+    "copy_bytes",
     "read_acquire",
     "write_release",
 ]
@@ -108,6 +110,22 @@ def sched_yield(typingctx):
     return sig, codegen
 
 
+@intrinsic
+def copy_bytes(typingctx, dst, src, nbytes):
+    """memcpy(dst, src, nbytes) on raw addresses (llvm.memcpy; numba's own slice copy
+    is a byte loop ~10x slower). The ranges must not overlap."""
+    sig = types.void(types.int64, types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        i8p = ir.IntType(8).as_pointer()
+        dst_p = builder.inttoptr(args[0], i8p)
+        src_p = builder.inttoptr(args[1], i8p)
+        cgutils.raw_memcpy(builder, dst_p, src_p, args[2], 1)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 @numba.njit(nogil=True, cache=True)
 def wait_all_ge(addrs, target, spins, yields, abort_addr):
     """Wait until every word at `addrs` is >= target, or give up.
@@ -136,6 +154,32 @@ def wait_all_ge(addrs, target, spins, yields, abort_addr):
             sched_yield()
         used += 1
     return -1
+
+
+@numba.njit(nogil=True, cache=True)
+def wait_any_ge(addrs, targets, spins, yields, abort_addr):
+    """Wait until some word `addrs[k]` is >= `targets[k]`, or give up.
+
+    The p2p progress wait (p2p.py): one word per thing that could make progress. Same
+    tiers as wait_all_ge (`spins` pause-polls, then `yields` sched_yield polls); one full
+    pass always runs, so spins = yields = 0 is a non-blocking check. Returns the first
+    such k, -2 when the word at `abort_addr` became non-zero, else -1.
+    """
+    n = addrs.shape[0]
+    used = 0
+    while True:
+        for k in range(n):
+            if load_acquire(addrs[k]) >= targets[k]:
+                return k
+        if load_acquire(abort_addr) != 0:
+            return -2
+        if used >= spins + yields:
+            return -1
+        if used < spins:
+            cpu_pause()
+        else:
+            sched_yield()
+        used += 1
 
 
 @numba.njit(nogil=True, cache=True)

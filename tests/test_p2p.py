@@ -352,7 +352,9 @@ def _killed_child(rank, path, q, big):
     g.barrier()
     if rank == 1:
         if big:  # stream a long message; the parent kills us in the middle of it
-            g.send(np.ones(big, np.uint8), 0)
+            data = np.ones(big, np.uint8)
+            q.put(("sending", rank, time.monotonic()))
+            g.send(data, 0)
         time.sleep(300)
         return
     out = np.empty(big or 8, np.uint8)
@@ -366,12 +368,14 @@ def _killed_child(rank, path, q, big):
         q.put(("other", rank, repr(e)))
 
 
-@pytest.mark.parametrize("big", [0, 96 << 20], ids=["idle-sender", "mid-stream"])
+@pytest.mark.parametrize("big", [0, 256 << 20], ids=["idle-sender", "mid-stream"])
 def test_peer_killed_during_recv(monkeypatch, big):
     """Guards: a sender SIGKILLed while the receiver waits (for a message not begun, or
     in the middle of streaming one) makes the recv raise PeerLostError naming it within a
     few seconds, although the group timeout is 60 s; nothing leaks in /dev/shm."""
-    monkeypatch.setenv("SHMCOLL_P2P_CELL_BYTES", "4096")  # slow the stream: ~25k cells
+    # slow the stream: 65536 cells through a 16 KiB ring
+    monkeypatch.setenv("SHMCOLL_P2P_CELL_BYTES", "4096")
+    monkeypatch.setenv("SHMCOLL_P2P_CELLS", "4")
     ctx = multiprocessing.get_context("spawn")
     q = ctx.Queue()
     path = tempfile.mkdtemp(prefix="shmcoll_p2p_kill_")
@@ -381,15 +385,15 @@ def test_peer_killed_during_recv(monkeypatch, big):
         p.start()
     try:
         events = {}
-        while "receiving" not in events:
+        while "receiving" not in events or (big and "sending" not in events):
             kind, rank, value = q.get(timeout=180)
             events[kind] = value
-        time.sleep(0.5)
+        time.sleep(0.2 if big else 0.5)
         t_kill = time.monotonic()
         os.kill(procs[1].pid, signal.SIGKILL)
         kind, rank, value = q.get(timeout=60)
         if big and kind == "completed":
-            pytest.skip("the 96 MiB stream finished before the kill (host unusually fast)")
+            pytest.skip("the 256 MiB stream finished before the kill (host unusually fast)")
         assert kind == "lost", (kind, value)
         t_err, msg, peer = value
         print(f"\n[figures] recv PeerLostError {t_err - t_kill:.3f} s after SIGKILL")
