@@ -32,7 +32,10 @@ def warm_up():
         wait_all_ge(np.array([word.ctypes.data], np.int64), 0, 1, 1, word.ctypes.data + 8)
         wait_any_ge(np.array([word.ctypes.data], np.int64), np.zeros(1, np.int64), 1, 1,
                     word.ctypes.data + 8)
-        kernels.warm_up()
+        # Most likely first: a first collective of another dtype waits at most for the
+        # specialization being compiled (numba compiles under one global lock).
+        for kinds in (["float"], ["bfloat16", "float16"], ["int", "bool", "complex"]):
+            kernels.warm_up(kinds)
         _done = True
         return time.perf_counter() - t0
 

@@ -257,9 +257,13 @@ def test_ddp_step_on_threads_equals_single_process():
         g = torch.Generator().manual_seed(100 + rank)
         return torch.randn(batch, 5, generator=g), torch.randn(batch, 2, generator=g)
 
+    seed_lock = threading.Lock()  # rank threads share torch's global RNG
+
     def new_model():
-        torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        with seed_lock:
+            torch.manual_seed(0)
+            return torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(),
+                                       torch.nn.Linear(8, 2))
 
     def body(rank, world_size):
         model = torch.nn.parallel.DistributedDataParallel(new_model())

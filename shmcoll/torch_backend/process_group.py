@@ -968,7 +968,7 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
         last = self._last_job
         self._finalizer.detach()
         _release(self._executor, self.group, reason,
-                 abort=last is not None and not last.done)
+                 abort=(last is not None and not last.done) or self._executor.inline_busy)
 
 
 def _release(executor, group, reason="shut down", abort=True):

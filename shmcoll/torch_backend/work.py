@@ -99,6 +99,7 @@ class Executor:
         self._queue = collections.deque()
         self._running = threading.Lock()
         self._stopped = False
+        self.inline_busy = False  # a synchronous op is running on a caller's thread
         self._stop_reason = "shut down"
         self._on_abort = on_abort
         self._thread = threading.Thread(target=self._loop, name=f"shmcoll-{name}", daemon=True)
@@ -131,10 +132,13 @@ class Executor:
                     f"the process group was {self._stop_reason}; it accepts no new operations "
                     f"(create a new process group)"))
             self._run_until(None)
+            self.inline_busy = True  # shutdown from another thread must abort, not wait
             try:
                 return fn()
             except BaseException as e:
                 raise torch_error(e) from None
+            finally:
+                self.inline_busy = False
 
     def run_now(self, job):
         """Run the queue up to and including `job` on this thread (after whatever an earlier
