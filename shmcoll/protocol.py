@@ -111,10 +111,12 @@ _H_PID, _H_NBYTES, _H_SLOT, _H_NSLOTS = 48, 56, 64, 72
 _H_P2P_CELLS, _H_P2P_CELL = 80, 88
 _H_WORDS_END = 96
 
-# Wait tiers (see DESIGN_NOTES §14). SPINS: pause-polls before yielding (~50-100 us);
+# Wait tiers (see DESIGN_NOTES §14). SPINS: pause-polls before yielding (~10 us): brief,
+# because on a VM a long PAUSE loop can trigger pause-loop exits that deschedule the vCPU,
+# and on a loaded host a spinning rank steals the core its late peer needs;
 # YIELDS: sched_yield polls per kernel call; then Python sleeps with backoff up to
 # SLEEP_MAX_S, checking deadline, abort words and peer liveness between calls.
-SPINS = 2000
+SPINS = 200
 YIELDS = 200
 # Yield polls between sleeps once a wait is slow. Few: on a loaded host every sched_yield
 # can hand the core away for a whole time slice, and 200 of them would delay the deadline,
