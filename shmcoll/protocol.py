@@ -122,6 +122,10 @@ YIELDS = 200
 # can hand the core away for a whole time slice, and 200 of them would delay the deadline,
 # abort and liveness checks (SIGKILLed peers) by up to a second.
 SLOW_YIELDS = 8
+# Keep yield-polling (no timer sleeps) this long into a slow wait: a peer a few hundred us
+# late (GC, a page fault, a descheduled core) is then seen at once, while sched_yield still
+# hands the core to whoever needs it when ranks outnumber cores.
+YIELD_PHASE_S = 2e-3
 SLEEP_MIN_S = 20e-6
 SLEEP_MAX_S = 1e-3
 
@@ -343,15 +347,19 @@ class Arena:
 
     def _wait_slow(self, target, r):
         sleep_s = SLEEP_MIN_S
+        yield_until = time.monotonic() + YIELD_PHASE_S
         while True:
             if r == -2 or self._mine[W_STATE * LINE_WORDS] != STATE_LIVE:
                 raise GroupAbortedError(
                     f"{self._op_name}: rank {self.rank} aborted while waiting at seq {self._seq}")
             self._check_peers(target)
-            if time.monotonic() > self._deadline:
+            now = time.monotonic()
+            if now > self._deadline:
                 raise self._timeout_error(target)
-            time.sleep(sleep_s)
-            sleep_s = min(sleep_s * 2, SLEEP_MAX_S)
+            if now > yield_until:
+                # Long wait: sleep (a timer sleep overshoots by ~50 us, so not earlier).
+                time.sleep(sleep_s)
+                sleep_s = min(sleep_s * 2, SLEEP_MAX_S)
             r = wait_all_ge(self._peer_posted, target, 0, SLOW_YIELDS, self._state_addr)
             if r == -1:
                 return
