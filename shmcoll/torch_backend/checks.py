@@ -119,3 +119,22 @@ def dense_cpu(name, items):
     tensors(name, items)
     dense(name, items)
     cpu(name, items)
+
+
+def coalesced_pairs(name, outputs, inputs, world_size, gather):
+    """(output, input) pairs of the *_tensor_coalesced ops: equal list lengths, dense CPU,
+    same dtype per pair, and the gathered side world_size times the other (the output for
+    all-gathers, the input for reduce-scatters)."""
+    if len(outputs) != len(inputs):
+        fail(name, f"requires input/output tensor lists to have the same length "
+                   f"({len(inputs)} inputs, {len(outputs)} outputs)")
+    dense_cpu(name, outputs + inputs)
+    big, small = ("output", "input") if gather else ("input", "output")
+    for i, (o, t) in enumerate(zip(outputs, inputs)):
+        if o.dtype != t.dtype:
+            fail(name, f"invalid tensor type at index {i} (output {o.dtype}, input {t.dtype})")
+        n_big, n_small = (o.numel(), t.numel()) if gather else (t.numel(), o.numel())
+        if n_big != n_small * world_size:
+            fail(name, f"invalid tensor size at index {i}: the {big} tensor must have world "
+                       f"size times the elements of the {small} tensor (output {o.numel()}, "
+                       f"input {t.numel()}, world size {world_size})")

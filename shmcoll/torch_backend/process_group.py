@@ -467,18 +467,7 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
         name = "reduce_scatter_tensor_coalesced"
         opts = opts if isinstance(opts, dist.ReduceScatterOptions) else _rs_opts(opts)
         outputs, inputs = list(outputs), list(inputs)
-        if len(outputs) != len(inputs):
-            checks.fail(name, f"requires input/output tensor lists to have the same length "
-                              f"({len(inputs)} inputs, {len(outputs)} outputs)")
-        checks.dense_cpu(name, outputs + inputs)
-        for i, (o, t) in enumerate(zip(outputs, inputs)):
-            if o.dtype != t.dtype:
-                checks.fail(name, f"invalid tensor type at index {i} (output {o.dtype}, input "
-                                  f"{t.dtype})")
-            if t.numel() != o.numel() * self.size():
-                checks.fail(name, f"invalid tensor size at index {i}: input tensor must be the "
-                                  f"same size as output size times world size (input "
-                                  f"{t.numel()}, output {o.numel()}, world size {self.size()})")
+        checks.coalesced_pairs(name, outputs, inputs, self.size(), gather=False)
         if not outputs:
             return self._submit(name, lambda: None, [])
         prepared = [self._prepare_reduce(name, [o], opts.reduceOp) for o in outputs]
@@ -661,18 +650,7 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
         name = "allgather_into_tensor_coalesced"
         opts = opts or _c10d.AllgatherOptions()
         outputs, inputs = list(outputs), list(inputs)
-        if len(outputs) != len(inputs):
-            checks.fail(name, f"requires input/output tensor lists to have the same length "
-                              f"({len(inputs)} inputs, {len(outputs)} outputs)")
-        checks.dense_cpu(name, outputs + inputs)
-        for i, (o, t) in enumerate(zip(outputs, inputs)):
-            if o.dtype != t.dtype:
-                checks.fail(name, f"invalid tensor type at index {i} (output {o.dtype}, input "
-                                  f"{t.dtype})")
-            if o.numel() != t.numel() * self.size():
-                checks.fail(name, f"invalid tensor size at index {i}: output tensor size must "
-                                  f"be equal to world_size times input tensor size (output "
-                                  f"{o.numel()}, input {t.numel()}, world size {self.size()})")
+        checks.coalesced_pairs(name, outputs, inputs, self.size(), gather=True)
         if not outputs:
             return self._submit(name, lambda: None, [])
         t_s = self._op_timeout(opts)
