@@ -9,7 +9,7 @@ happens at import time, driven only by environment variables.
 
 Environment (set by ``run_suite.py``; can be set by hand as well):
 
-``SHMCOLL_CONF_MODE``   one of ``shm``, ``gloo_plugin``, ``shm_as_gloo``, ``gloo_as_gloo``
+``SHMCOLL_CONF_MODE``   one of ``shm``, ``gloo_plugin``, ``shm_as_gloo``, ``gloo_as_gloo``, ``gloo``
 ``BACKEND``             the name the torch suite sees (derived from the mode when unset)
 ``WORLD_SIZE``          ranks per test (default 3)
 ``TEMP_DIR``            scratch dir the suite requires at import (default: a fresh tmp dir)
@@ -25,6 +25,7 @@ Modes:
                  "gloo" is built by the "shm" plugin (see ``_install_standin``).
 ``gloo_as_gloo`` Same mechanism with the gloo plugin as stand-in: sanity check of the
                  stand-in mechanism itself.
+``gloo``         Native gloo, nothing patched: reference for the stand-in modes.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ MODES = {
     "gloo_plugin": ("gloo_plugin", "gloo_plugin", False),
     "shm_as_gloo": ("gloo", "shm", True),
     "gloo_as_gloo": ("gloo", "gloo_plugin", True),
+    # native gloo, no plugin, no patch: the reference for the stand-in modes
+    "gloo": ("gloo", None, False),
 }
 
 _SUITE_MODULE = "torch.testing._internal.distributed.distributed_test"
@@ -113,7 +116,8 @@ def _register_plugin(name: str) -> None:
     raise ConformanceSetupError(f"unknown plugin {name!r}")
 
 
-_register_plugin(PLUGIN)
+if PLUGIN is not None:
+    _register_plugin(PLUGIN)
 
 
 # --------------------------------------------------------------- gloo stand-in patch
@@ -184,7 +188,8 @@ if _unknown:
         f"SHMCOLL_CONF_FEATURES: unknown feature(s) {_unknown}; known: "
         f"{sorted(DistTestCases.backend_feature)}"
     )
-if not STANDIN:
+PATCH_FEATURES = PLUGIN is not None and not STANDIN
+if PATCH_FEATURES:
     for _feature in GRANTED_FEATURES:
         DistTestCases.backend_feature[_feature].add(SUITE_BACKEND)
 
@@ -268,7 +273,7 @@ def describe() -> dict:
         "suite_backend": SUITE_BACKEND,
         "plugin": PLUGIN,
         "standin_for_gloo": STANDIN,
-        "granted_features": list(GRANTED_FEATURES) if not STANDIN else [],
+        "granted_features": list(GRANTED_FEATURES) if PATCH_FEATURES else [],
         "world_size": int(os.environ["WORLD_SIZE"]),
         "start_method": START_METHOD,
         "backend_feature": {

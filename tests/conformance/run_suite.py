@@ -1,8 +1,9 @@
 """Run PyTorch's backend-agnostic distributed test suite against a plugin backend.
 
-    python -m tests.conformance.run_suite --backend shm|gloo_plugin|shm_as_gloo|gloo_as_gloo \
+    python -m tests.conformance.run_suite --backend shm|gloo_plugin|shm_as_gloo|gloo_as_gloo|gloo \
         [--world-size 3] [-k PATTERN] [--subset FILE] [--timeout-per-test 120] \
-        [--junit out.xml] [--jobs N] [--out tally.json]
+        [--junit out.xml] [--jobs N] [--chunk-size 60] [--out tally.json] \
+        [--features plugin,ddp,subgroup[,gpu]] [--start-method spawn|forkserver] [--list]
 
 How it runs (details in README.md):
   1. preflight: for shm modes, ``import shmcoll`` in a subprocess and check that it
@@ -28,7 +29,6 @@ import argparse
 import collections
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -40,9 +40,9 @@ import xml.etree.ElementTree as ET
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 SUITE_FILE = os.path.join(HERE, "_suite.py")
-MODES = ("shm", "gloo_plugin", "shm_as_gloo", "gloo_as_gloo")
+MODES = ("shm", "gloo_plugin", "shm_as_gloo", "gloo_as_gloo", "gloo")
 SUITE_BACKEND = {"shm": "shm", "gloo_plugin": "gloo_plugin",
-                 "shm_as_gloo": "gloo", "gloo_as_gloo": "gloo"}
+                 "shm_as_gloo": "gloo", "gloo_as_gloo": "gloo", "gloo": "gloo"}
 # beyond the in-suite timeout, before the runner kills pytest (env override for testing)
 WATCHDOG_GRACE_S = int(os.environ.get("SHMCOLL_CONF_WATCHDOG_GRACE", "60"))
 HEARTBEAT_S = 60
@@ -170,18 +170,22 @@ def test_name(nodeid: str) -> str:
     return nodeid.rsplit("::", 1)[-1]
 
 
-def read_subset(path: str) -> tuple[list[str], str | None]:
-    """Test names, one per line ('#' comments); an '@features a,b,c' line sets the
-    granted features for the run unless --features is given on the command line."""
-    names, features = [], None
+def read_subset(path: str) -> tuple[list[str], dict]:
+    """Test names, one per line ('#' comments).  Directive lines set defaults that the
+    command line overrides: '@features a,b,c' and '@start-method spawn|forkserver'."""
+    names, directives = [], {}
     with open(path) as f:
         for ln in f:
             ln = ln.split("#", 1)[0].strip()
-            if ln.startswith("@features"):
-                features = ln[len("@features"):].strip().replace(" ", "")
+            if ln.startswith("@"):
+                key, _, val = ln[1:].partition(" ")
+                directives[key.strip()] = val.strip().replace(" ", "")
             elif ln:
                 names.append(ln)
-    return names, features
+    unknown = set(directives) - {"features", "start-method"}
+    if unknown:
+        raise SystemExit(f"{path}: unknown directive(s) {sorted(unknown)}")
+    return names, directives
 
 
 # ------------------------------------------------------------------- execution
@@ -388,13 +392,14 @@ def main(argv=None) -> int:
                          f"{WATCHDOG_GRACE_S}s grace")
     ap.add_argument("--junit", default=None, help="write JUnit XML here")
     ap.add_argument("--jobs", type=int, default=1, help="parallel pytest processes")
-    ap.add_argument("--chunk-size", type=int, default=25,
+    ap.add_argument("--chunk-size", type=int, default=60,
                     help="tests per pytest process (amortizes the ~4 s import)")
     ap.add_argument("--out", default=None,
                     help="tally JSON path (default tests/conformance/results/<backend>.json)")
-    ap.add_argument("--start-method", choices=("spawn", "forkserver"), default="spawn",
-                    help="how ranks are started: spawn = upstream (default); forkserver = "
-                         "ranks forked from a preloaded server, much faster, not upstream")
+    ap.add_argument("--start-method", choices=("spawn", "forkserver"), default=None,
+                    help="how ranks are started: spawn = upstream (default, or the subset "
+                         "file's @start-method); forkserver = ranks forked from a server "
+                         "that preloaded torch and the suite, ~10x cheaper per test")
     ap.add_argument("--features", default=None,
                     help="DistTestCases.backend_feature sets granted to the plugin name, "
                          "comma separated (default plugin,ddp,subgroup, or the subset "
@@ -406,11 +411,17 @@ def main(argv=None) -> int:
         ap.error("--world-size must be >= 2")
     subset_names = None
     if args.subset:
-        subset_names, subset_features = read_subset(args.subset)
-        if args.features is None and subset_features:
-            args.features = subset_features
+        subset_names, directives = read_subset(args.subset)
+        if args.features is None:
+            args.features = directives.get("features")
+        if args.start_method is None:
+            args.start_method = directives.get("start-method")
     if args.features is None:
         args.features = "plugin,ddp,subgroup"
+    if args.start_method is None:
+        args.start_method = "spawn"
+    if args.start_method not in ("spawn", "forkserver"):
+        ap.error(f"bad start method {args.start_method!r}")
     out = args.out or os.path.join(HERE, "results", f"{args.backend}.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     logdir = os.path.splitext(os.path.abspath(out))[0] + "-logs"
@@ -447,8 +458,8 @@ def main(argv=None) -> int:
     rc = 0
     try:
         try:
-            import torch
-            tally["torch"] = torch.__version__
+            from importlib.metadata import version
+            tally["torch"] = version("torch")
         except Exception:
             tally["torch"] = None
         err = preflight(args, env)
