@@ -52,13 +52,13 @@ class RankThreadExecutor(Executor):
         self._last_submit = time.monotonic()
         super().__init__(name, on_abort)
 
-    def submit(self, job, notify=True):
+    def submit(self, job):
         with self._cv:
             self._last_submit = time.monotonic()  # (also when parked: the worker polls again)
             if not (self._stopped or self._parked):
                 self._queue.append(job)
                 return job
-        return super().submit(job, notify)  # shut down: raises; parked worker: queue, wake it
+        return super().submit(job)  # shut down: raises; parked worker: queue and wake it
 
     def _loop(self):
         while True:

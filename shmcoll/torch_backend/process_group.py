@@ -208,16 +208,13 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
             self._executor.run_inline(run)
             return self._completed_work
         with self._lock:
-            run_here = run_here and self._coalescing is None
-            job = self._executor.submit(Job(name, run, value), notify=not run_here)
+            job = self._executor.submit(Job(name, run, value))
             self._last_job = job
             if count_seq:
                 self._seq += 1
             work = ShmWork(self._executor, job)
             if self._coalescing is not None:
                 self._coalescing.append(work)
-        if run_here:
-            self._executor.run_now(job)
         return work
 
     def _op_timeout(self, opts):

@@ -109,18 +109,15 @@ class Executor:
     def pending(self):
         return len(self._queue) + (1 if self._running.locked() else 0)
 
-    def submit(self, job, notify=True):
-        """Queue `job`. notify=False leaves the worker asleep: the caller promises to run it
-        at once with run_now (a synchronous op), so no thread hand-off (and no GIL
-        ping-pong with the worker) is paid on the latency path."""
+    def submit(self, job):
+        """Queue `job` and wake the worker (it runs it unless a waiter does first)."""
         with self._cv:
             if self._stopped:
                 raise torch_error(RuntimeError(
                     f"{job.name}: the process group was {self._stop_reason}; it accepts no new "
                     f"operations (create a new process group)"))
             self._queue.append(job)
-            if notify:
-                self._cv.notify()
+            self._cv.notify()
         return job
 
     def run_inline(self, fn):
@@ -139,14 +136,6 @@ class Executor:
                 raise torch_error(e) from None
             finally:
                 self.inline_busy = False
-
-    def run_now(self, job):
-        """Run the queue up to and including `job` on this thread (after whatever an earlier
-        async op still needs); returns when `job` is done."""
-        with self._running:
-            self._run_until(job)
-        if not job.done:  # another thread took it between our submit and the lock
-            self.wait(job)
 
     def _pop(self):
         with self._cv:
