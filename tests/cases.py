@@ -516,3 +516,19 @@ def assert_rank_results(results, max_lines=20):
         more = f"\n... and {len(lines) - max_lines} more" if len(lines) > max_lines else ""
         raise AssertionError(f"{len(lines)} failures:\n" + "\n".join(lines[:max_lines]) + more)
     return sum(len(d) for _, d in results[:1])
+
+
+def group_cases(build):
+    """Turn build(group, rank, world_size, *args) -> [(name, thunk)] into a rank job
+    (rank, world_size, store, *args) for harness.run_ranks: it opens the group, runs the
+    cases (run_cases) and always closes the group."""
+    @functools.wraps(build)
+    def job(rank, world_size, store, *args):
+        import harness  # the job runs inside a rank process or thread
+
+        group = harness.new_group(store, rank, world_size)
+        try:
+            return run_cases(build(group, rank, world_size, *args))
+        finally:
+            group.close()
+    return job

@@ -7,8 +7,8 @@ import functools
 import pytest
 
 import harness
-from cases import (COUNTS, DTYPES, SMALL_SLOT_ENV, assert_rank_results, case_name,
-                   check_all_gather, run_cases)
+from cases import (assert_rank_results, case_name, check_all_gather, COUNTS, DTYPES, group_cases,
+                   SMALL_SLOT_ENV)
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
@@ -21,21 +21,18 @@ def _case(group, count, dtype, layout, seed):
             functools.partial(check_all_gather, group, count, dtype, seed, layout))
 
 
-def _sweep(rank, world_size, store, seed):
-    group = harness.new_group(store, rank, world_size)
-    try:
-        cases = []
-        for count in COUNTS:
-            for dtype in DTYPES:
-                for layout in ("list", "flat"):
-                    cases.append(_case(group, count, dtype, layout, seed))
+@group_cases
+def _sweep(group, rank, world_size, seed):
+    cases = []
+    for count in COUNTS:
         for dtype in DTYPES:
-            for count, layout in ((3333, "strided"), (0, "strided"), (1, "0d"),
-                                  (3333, "flat_strided"), (1, "flat_strided")):
+            for layout in ("list", "flat"):
                 cases.append(_case(group, count, dtype, layout, seed))
-        return run_cases(cases)
-    finally:
-        group.close()
+    for dtype in DTYPES:
+        for count, layout in ((3333, "strided"), (0, "strided"), (1, "0d"),
+                              (3333, "flat_strided"), (1, "flat_strided")):
+            cases.append(_case(group, count, dtype, layout, seed))
+    return cases
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -45,13 +42,10 @@ def test_all_gather(kind, world_size, seed):
     assert_rank_results(results)
 
 
-def _multi_mib(rank, world_size, store, seed):
-    group = harness.new_group(store, rank, world_size)
-    try:
-        count = (5 << 20) + 7  # 5 MiB of uint8 per rank: two chunks of the default slot
-        return run_cases([_case(group, count, "uint8", "flat", seed)])
-    finally:
-        group.close()
+@group_cases
+def _multi_mib(group, rank, world_size, seed):
+    count = (5 << 20) + 7  # 5 MiB of uint8 per rank: two chunks of the default slot
+    return [_case(group, count, "uint8", "flat", seed)]
 
 
 def test_all_gather_multi_mib_default_slot(kind, seed):

@@ -6,8 +6,8 @@ import functools
 import pytest
 
 import harness
-from cases import (COUNTS, DTYPES, SMALL_SLOT_ENV, assert_rank_results, case_name,
-                   check_all_reduce, check_unsupported_ops, run_cases, valid_ops)
+from cases import (assert_rank_results, case_name, check_all_reduce, check_unsupported_ops,
+                   COUNTS, DTYPES, group_cases, run_cases, SMALL_SLOT_ENV, valid_ops)
 from shmcoll import ReduceOp
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
@@ -16,29 +16,26 @@ WORLD_SIZES = [1, 2, 3, 4]
 JOB_TIMEOUT_S = 300
 
 
-def _sweep(rank, world_size, store, seed):
-    group = harness.new_group(store, rank, world_size)
-    try:
-        cases = []
-        for count in COUNTS:
-            for dtype in DTYPES:
-                for op in valid_ops(dtype):
-                    cases.append((case_name("all_reduce", count=count, dtype=dtype, op=op),
-                                  functools.partial(check_all_reduce, group, count, dtype, op,
-                                                    seed)))
+@group_cases
+def _sweep(group, rank, world_size, seed):
+    cases = []
+    for count in COUNTS:
         for dtype in DTYPES:
-            op = valid_ops(dtype)[-1]  # PREMUL_SUM / BXOR: the least common paths
-            for count, layout in ((3333, "strided"), (3333, "strided2d"), (1, "0d"),
-                                  (0, "strided")):
-                cases.append((case_name("all_reduce", count=count, dtype=dtype, op=op,
-                                        layout=layout),
+            for op in valid_ops(dtype):
+                cases.append((case_name("all_reduce", count=count, dtype=dtype, op=op),
                               functools.partial(check_all_reduce, group, count, dtype, op,
-                                                seed, layout)))
-            cases.append((case_name("unsupported ops", dtype=dtype),
-                          functools.partial(check_unsupported_ops, group, dtype)))
-        return run_cases(cases)
-    finally:
-        group.close()
+                                                seed)))
+    for dtype in DTYPES:
+        op = valid_ops(dtype)[-1]  # PREMUL_SUM / BXOR: the least common paths
+        for count, layout in ((3333, "strided"), (3333, "strided2d"), (1, "0d"),
+                              (0, "strided")):
+            cases.append((case_name("all_reduce", count=count, dtype=dtype, op=op,
+                                    layout=layout),
+                          functools.partial(check_all_reduce, group, count, dtype, op,
+                                            seed, layout)))
+        cases.append((case_name("unsupported ops", dtype=dtype),
+                      functools.partial(check_unsupported_ops, group, dtype)))
+    return cases
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -71,16 +68,13 @@ def test_all_reduce_forced_algorithm(kind, world_size, direct_max, seed):
     assert_rank_results(results)
 
 
-def _multi_mib(rank, world_size, store, seed):
-    group = harness.new_group(store, rank, world_size)
-    try:
-        count = (6 << 20) // 4 + 1  # 6 MiB of float32: two chunks of the default 4 MiB slot
-        cases = [(case_name("all_reduce", count=count, dtype=dtype, op=op),
-                  functools.partial(check_all_reduce, group, count, dtype, op, seed))
-                 for dtype, op in (("float32", ReduceOp.SUM), ("bfloat16", ReduceOp.SUM))]
-        return run_cases(cases)
-    finally:
-        group.close()
+@group_cases
+def _multi_mib(group, rank, world_size, seed):
+    count = (6 << 20) // 4 + 1  # 6 MiB of float32: two chunks of the default 4 MiB slot
+    cases = [(case_name("all_reduce", count=count, dtype=dtype, op=op),
+              functools.partial(check_all_reduce, group, count, dtype, op, seed))
+             for dtype, op in (("float32", ReduceOp.SUM), ("bfloat16", ReduceOp.SUM))]
+    return cases
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

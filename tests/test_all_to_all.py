@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import harness
-from cases import (COUNTS, DTYPES, SMALL_SLOT_ENV, assert_rank_results, case_name,
-                   check_all_to_all, run_cases)
+from cases import (assert_rank_results, case_name, check_all_to_all, COUNTS, DTYPES, group_cases,
+                   SMALL_SLOT_ENV)
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
@@ -36,21 +36,18 @@ def _size_mismatch(group, seed):
     return check_all_to_all(group, 3, "int32", seed)  # still usable, still in step
 
 
-def _sweep(rank, world_size, store, seed):
-    group = harness.new_group(store, rank, world_size)
-    try:
-        cases = []
-        for count in COUNTS:
-            for dtype in DTYPES:
-                cases.append(_case(group, count, dtype, "list", seed))
+@group_cases
+def _sweep(group, rank, world_size, seed):
+    cases = []
+    for count in COUNTS:
         for dtype in DTYPES:
-            cases.append(_case(group, 3333, dtype, "strided", seed))
-        if world_size > 1:
-            cases.append(("all_to_all(size mismatch)",
-                          functools.partial(_size_mismatch, group, seed)))
-        return run_cases(cases)
-    finally:
-        group.close()
+            cases.append(_case(group, count, dtype, "list", seed))
+    for dtype in DTYPES:
+        cases.append(_case(group, 3333, dtype, "strided", seed))
+    if world_size > 1:
+        cases.append(("all_to_all(size mismatch)",
+                      functools.partial(_size_mismatch, group, seed)))
+    return cases
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -60,13 +57,10 @@ def test_all_to_all(kind, world_size, seed):
     assert_rank_results(results)
 
 
-def _multi_mib(rank, world_size, store, seed):
-    group = harness.new_group(store, rank, world_size)
-    try:
-        count = (3 << 20) // 4  # ~3 MiB of float32 per pair (uneven): several chunks
-        return run_cases([_case(group, count, "float32", "list", seed)])
-    finally:
-        group.close()
+@group_cases
+def _multi_mib(group, rank, world_size, seed):
+    count = (3 << 20) // 4  # ~3 MiB of float32 per pair (uneven): several chunks
+    return [_case(group, count, "float32", "list", seed)]
 
 
 def test_all_to_all_multi_mib_default_slot(kind, seed):

@@ -6,8 +6,8 @@ import functools
 import pytest
 
 import harness
-from cases import (COUNTS, DTYPES, SMALL_SLOT_ENV, assert_rank_results, case_name,
-                   check_broadcast, run_cases)
+from cases import (assert_rank_results, case_name, check_broadcast, COUNTS, DTYPES, group_cases,
+                   SMALL_SLOT_ENV)
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
@@ -15,27 +15,24 @@ WORLD_SIZES = [1, 2, 3, 4]
 JOB_TIMEOUT_S = 300
 
 
-def _sweep(rank, world_size, store, seed):
-    group = harness.new_group(store, rank, world_size)
-    try:
-        cases = []
-        for count in COUNTS:
-            for dtype in DTYPES:
-                for root in range(world_size):
-                    cases.append((case_name("broadcast", count=count, dtype=dtype, root=root),
-                                  functools.partial(check_broadcast, group, count, dtype, root,
-                                                    seed)))
+@group_cases
+def _sweep(group, rank, world_size, seed):
+    cases = []
+    for count in COUNTS:
         for dtype in DTYPES:
-            root = world_size - 1
-            for count, layout in ((3333, "strided"), (3333, "strided2d"), (1, "0d"),
-                                  (0, "strided")):
-                cases.append((case_name("broadcast", count=count, dtype=dtype, root=root,
-                                        layout=layout),
+            for root in range(world_size):
+                cases.append((case_name("broadcast", count=count, dtype=dtype, root=root),
                               functools.partial(check_broadcast, group, count, dtype, root,
-                                                seed, layout)))
-        return run_cases(cases)
-    finally:
-        group.close()
+                                                seed)))
+    for dtype in DTYPES:
+        root = world_size - 1
+        for count, layout in ((3333, "strided"), (3333, "strided2d"), (1, "0d"),
+                              (0, "strided")):
+            cases.append((case_name("broadcast", count=count, dtype=dtype, root=root,
+                                    layout=layout),
+                          functools.partial(check_broadcast, group, count, dtype, root,
+                                            seed, layout)))
+    return cases
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -45,15 +42,12 @@ def test_broadcast(kind, world_size, seed):
     assert_rank_results(results)
 
 
-def _multi_mib(rank, world_size, store, seed):
-    group = harness.new_group(store, rank, world_size)
-    try:
-        count = (9 << 20) // 8 + 3  # 9 MiB of float64: three chunks of the default 4 MiB slot
-        return run_cases([(case_name("broadcast", count=count, dtype="float64", root=root),
-                           functools.partial(check_broadcast, group, count, "float64", root,
-                                             seed)) for root in (0, world_size - 1)])
-    finally:
-        group.close()
+@group_cases
+def _multi_mib(group, rank, world_size, seed):
+    count = (9 << 20) // 8 + 3  # 9 MiB of float64: three chunks of the default 4 MiB slot
+    return [(case_name("broadcast", count=count, dtype="float64", root=root),
+             functools.partial(check_broadcast, group, count, "float64", root, seed))
+            for root in (0, world_size - 1)]
 
 
 def test_broadcast_multi_mib_default_slot(kind, seed):

@@ -6,8 +6,8 @@ import functools
 import pytest
 
 import harness
-from cases import (COUNTS, DTYPES, SMALL_SLOT_ENV, assert_rank_results, case_name,
-                   check_gather, check_scatter, run_cases)
+from cases import (assert_rank_results, case_name, check_gather, check_scatter, COUNTS, DTYPES,
+                   group_cases, SMALL_SLOT_ENV)
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
@@ -21,22 +21,19 @@ def _case(group, name, count, dtype, root, layout, seed):
             functools.partial(CHECKS[name], group, count, dtype, root, seed, layout))
 
 
-def _sweep(rank, world_size, store, name, seed):
-    group = harness.new_group(store, rank, world_size)
-    try:
-        cases = []
-        for count in COUNTS:
-            for dtype in DTYPES:
-                for root in range(world_size):
-                    layout = ("list", "flat")[(root + count) % 2]
-                    cases.append(_case(group, name, count, dtype, root, layout, seed))
+@group_cases
+def _sweep(group, rank, world_size, name, seed):
+    cases = []
+    for count in COUNTS:
         for dtype in DTYPES:
-            for count, layout in ((3333, "strided"), (0, "strided"), (1, "0d"),
-                                  (3333, "flat_strided")):
-                cases.append(_case(group, name, count, dtype, world_size - 1, layout, seed))
-        return run_cases(cases)
-    finally:
-        group.close()
+            for root in range(world_size):
+                layout = ("list", "flat")[(root + count) % 2]
+                cases.append(_case(group, name, count, dtype, root, layout, seed))
+    for dtype in DTYPES:
+        for count, layout in ((3333, "strided"), (0, "strided"), (1, "0d"),
+                              (3333, "flat_strided")):
+            cases.append(_case(group, name, count, dtype, world_size - 1, layout, seed))
+    return cases
 
 
 @pytest.mark.parametrize("name", ["gather", "scatter"])
@@ -47,14 +44,11 @@ def test_gather_scatter(kind, world_size, name, seed):
     assert_rank_results(results)
 
 
-def _multi_mib(rank, world_size, store, seed):
-    group = harness.new_group(store, rank, world_size)
-    try:
-        count = (5 << 20) // 2 + 1  # 5 MiB of int16 per rank
-        return run_cases([_case(group, name, count, "int16", 1, "list", seed)
-                          for name in ("gather", "scatter")])
-    finally:
-        group.close()
+@group_cases
+def _multi_mib(group, rank, world_size, seed):
+    count = (5 << 20) // 2 + 1  # 5 MiB of int16 per rank
+    return [_case(group, name, count, "int16", 1, "list", seed)
+            for name in ("gather", "scatter")]
 
 
 def test_gather_scatter_multi_mib_default_slot(kind, seed):

@@ -7,8 +7,8 @@ import functools
 import pytest
 
 import harness
-from cases import (COUNTS, DTYPES, SMALL_SLOT_ENV, assert_rank_results, case_name,
-                   check_reduce, check_unsupported_ops, run_cases, valid_ops)
+from cases import (assert_rank_results, case_name, check_reduce, check_unsupported_ops, COUNTS,
+                   DTYPES, group_cases, SMALL_SLOT_ENV, valid_ops)
 from shmcoll import ReduceOp
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
@@ -25,28 +25,25 @@ def _case(group, count, dtype, op, root, seed, layout="contig"):
             functools.partial(check_reduce, group, count, dtype, op, root, seed, layout))
 
 
-def _sweep(rank, world_size, store, seed):
-    group = harness.new_group(store, rank, world_size)
-    try:
-        cases = []
-        i = 0
-        for count in COUNTS:
-            for dtype in DTYPES:
-                for op in valid_ops(dtype):
-                    cases.append(_case(group, count, dtype, op, i % world_size, seed))
-                    i += 1
-        for root in range(world_size):
-            for count in (1, 3333, 70001):
-                cases.append(_case(group, count, "float32", ReduceOp.SUM, root, seed))
+@group_cases
+def _sweep(group, rank, world_size, seed):
+    cases = []
+    i = 0
+    for count in COUNTS:
         for dtype in DTYPES:
-            op = valid_ops(dtype)[-1]
-            for count, layout in ((3333, "strided"), (3333, "strided2d"), (1, "0d")):
-                cases.append(_case(group, count, dtype, op, world_size - 1, seed, layout))
-            cases.append((case_name("unsupported ops", dtype=dtype),
-                          functools.partial(check_unsupported_ops, group, dtype, ("reduce",))))
-        return run_cases(cases)
-    finally:
-        group.close()
+            for op in valid_ops(dtype):
+                cases.append(_case(group, count, dtype, op, i % world_size, seed))
+                i += 1
+    for root in range(world_size):
+        for count in (1, 3333, 70001):
+            cases.append(_case(group, count, "float32", ReduceOp.SUM, root, seed))
+    for dtype in DTYPES:
+        op = valid_ops(dtype)[-1]
+        for count, layout in ((3333, "strided"), (3333, "strided2d"), (1, "0d")):
+            cases.append(_case(group, count, dtype, op, world_size - 1, seed, layout))
+        cases.append((case_name("unsupported ops", dtype=dtype),
+                      functools.partial(check_unsupported_ops, group, dtype, ("reduce",))))
+    return cases
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -56,13 +53,10 @@ def test_reduce(kind, world_size, seed):
     assert_rank_results(results)
 
 
-def _multi_mib(rank, world_size, store, seed):
-    group = harness.new_group(store, rank, world_size)
-    try:
-        count = (6 << 20) // 4 + 1  # 6 MiB of float32: two chunks of the default 4 MiB slot
-        return run_cases([_case(group, count, "float32", ReduceOp.MAX, 1, seed)])
-    finally:
-        group.close()
+@group_cases
+def _multi_mib(group, rank, world_size, seed):
+    count = (6 << 20) // 4 + 1  # 6 MiB of float32: two chunks of the default 4 MiB slot
+    return [_case(group, count, "float32", ReduceOp.MAX, 1, seed)]
 
 
 def test_reduce_multi_mib_default_slot(kind, seed):

@@ -7,8 +7,8 @@ import functools
 import pytest
 
 import harness
-from cases import (COUNTS, DTYPES, SMALL_SLOT_ENV, assert_rank_results, case_name,
-                   check_reduce_scatter, check_unsupported_ops, run_cases, valid_ops)
+from cases import (assert_rank_results, case_name, check_reduce_scatter, check_unsupported_ops,
+                   COUNTS, DTYPES, group_cases, SMALL_SLOT_ENV, valid_ops)
 from shmcoll import ReduceOp
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
@@ -22,24 +22,21 @@ def _case(group, count, dtype, op, layout, seed):
             functools.partial(check_reduce_scatter, group, count, dtype, op, seed, layout))
 
 
-def _sweep(rank, world_size, store, seed):
-    group = harness.new_group(store, rank, world_size)
-    try:
-        cases = []
-        for count in COUNTS:
-            for dtype in DTYPES:
-                for op in valid_ops(dtype):
-                    for layout in ("flat", "uneven"):
-                        cases.append(_case(group, count, dtype, op, layout, seed))
+@group_cases
+def _sweep(group, rank, world_size, seed):
+    cases = []
+    for count in COUNTS:
         for dtype in DTYPES:
-            for layout in ("strided", "flat_strided"):
-                cases.append(_case(group, 3333, dtype, valid_ops(dtype)[-1], layout, seed))
-            cases.append((case_name("unsupported ops", dtype=dtype),
-                          functools.partial(check_unsupported_ops, group, dtype,
-                                            ("reduce_scatter",))))
-        return run_cases(cases)
-    finally:
-        group.close()
+            for op in valid_ops(dtype):
+                for layout in ("flat", "uneven"):
+                    cases.append(_case(group, count, dtype, op, layout, seed))
+    for dtype in DTYPES:
+        for layout in ("strided", "flat_strided"):
+            cases.append(_case(group, 3333, dtype, valid_ops(dtype)[-1], layout, seed))
+        cases.append((case_name("unsupported ops", dtype=dtype),
+                      functools.partial(check_unsupported_ops, group, dtype,
+                                        ("reduce_scatter",))))
+    return cases
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -49,14 +46,11 @@ def test_reduce_scatter(kind, world_size, seed):
     assert_rank_results(results)
 
 
-def _multi_mib(rank, world_size, store, seed):
-    group = harness.new_group(store, rank, world_size)
-    try:
-        count = (3 << 20) // 4 + 5  # 3 MiB of float32 per destination, 9 MiB per rank
-        return run_cases([_case(group, count, "float32", ReduceOp.SUM, layout, seed)
-                          for layout in ("flat", "uneven")])
-    finally:
-        group.close()
+@group_cases
+def _multi_mib(group, rank, world_size, seed):
+    count = (3 << 20) // 4 + 5  # 3 MiB of float32 per destination, 9 MiB per rank
+    return [_case(group, count, "float32", ReduceOp.SUM, layout, seed)
+            for layout in ("flat", "uneven")]
 
 
 def test_reduce_scatter_multi_mib_default_slot(kind, seed):
