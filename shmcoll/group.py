@@ -133,31 +133,32 @@ class Group:
         self.flight_record.append(entry)
         if self._arena is None:  # world_size 1: local semantics, no shared memory
             algo(None, *args)
-            entry.update(state="completed", t_end=time.time())
+            entry["state"], entry["t_end"] = "completed", time.time()
             return
-        timeout_s = self.timeout_s if timeout_s is None else float(timeout_s)
-        self._arena.begin(seq, name, (_CODE[name],) + tuple(fp), timeout_s)
-        step0 = self._arena.step
+        arena = self._arena
+        arena.begin(seq, name, (_CODE[name],) + fp, self.timeout_s if timeout_s is None
+                    else float(timeout_s))
+        step0 = arena.step
         try:
-            algo(self._arena, *args)
-            if self._arena.step == step0:
+            algo(arena, *args)
+            if arena.step == step0:
                 # Nothing to move (count 0): still one post/wait, so every collective checks
                 # fingerprints and a rank whose count is not 0 cannot be left waiting.
-                _noop(self._arena)
+                arena.exchange()
         except CollectiveMismatchError:
-            entry.update(state="mismatch", t_end=time.time())
+            entry["state"], entry["t_end"] = "mismatch", time.time()
             raise
         except ValueError:
-            entry.update(state="invalid", t_end=time.time())
+            entry["state"], entry["t_end"] = "invalid", time.time()
             raise
         except BaseException as e:
-            entry.update(state="failed", t_end=time.time())
+            entry["state"], entry["t_end"] = "failed", time.time()
             self._poison = e
-            self._arena.set_state(1)  # STATE_ABORTED: peers waiting for us fail fast
+            arena.set_state(1)  # STATE_ABORTED: peers waiting for us fail fast
             if isinstance(e, CollectiveTimeoutError):
                 self.dump_flight_record()
             raise
-        entry.update(state="completed", t_end=time.time())
+        entry["state"], entry["t_end"] = "completed", time.time()
 
     def dump_flight_record(self, logger=log):
         """Log the last collectives of this rank (seq, op, bytes, state, timestamps)."""
@@ -189,16 +190,27 @@ class Group:
 
     def all_reduce(self, array, op=ReduceOp.SUM, dtype=None, timeout_s=None, premul=1.0):
         """Reduce `array` over all ranks, in place."""
-        self._usable("all_reduce")
-        _check_arrays("all_reduce", [array])
+        if self._poison is not None or self._closed:
+            self._usable("all_reduce")
+        if type(array) is not np.ndarray:
+            _check_arrays("all_reduce", [array])
         dt = dtype_of(array, dtype)
         spec = reduce_spec(op, dt, self.world_size, "all_reduce", premul)
-        f = _Flat(array, dt.storage)
-        nbytes = f.flat.nbytes
-        algo = _local_reduce if self._arena is None else self._select("all_reduce", nbytes)
-        self._run("all_reduce", (dt.code, f.flat.size, 0, int(op), _shape(array)), algo,
-                  f.flat, spec, timeout_s=timeout_s, nbytes=nbytes)
-        f.write_back()
+        if array.flags.c_contiguous:  # the common case, without a _Flat
+            flat = array if array.ndim == 1 else array.reshape(-1)
+            if flat.dtype != dt.storage:
+                flat = flat.view(dt.storage)
+            f = None
+        else:
+            f = _Flat(array, dt.storage)
+            flat = f.flat
+        nbytes = flat.nbytes
+        algo = _local_reduce if self._arena is None else \
+            algorithms.select("all_reduce", nbytes, self.world_size, self._direct_max)
+        self._run("all_reduce", (dt.code, flat.size, 0, int(op), _shape(array)), algo,
+                  flat, spec, timeout_s=timeout_s, nbytes=nbytes)
+        if f is not None:
+            f.write_back()
         return array
 
     def broadcast(self, array, root=0, timeout_s=None):
@@ -466,11 +478,6 @@ def _code_of(array):
         return dtype_of(array).code
     except TypeError:
         return 0
-
-
-def _noop(arena, *args):
-    arena.post()
-    arena.wait_all()
 
 
 # world_size == 1: the same semantics without any shared memory.

@@ -27,7 +27,7 @@ from numba import types
 from numba.extending import intrinsic, overload
 
 __all__ = [
-    "reduce_unchecked",
+    "reduce_unchecked", "reduce_any",
     "OP_SUM", "OP_PRODUCT", "OP_MIN", "OP_MAX", "OP_BAND", "OP_BOR", "OP_BXOR",
     "KINDS", "reduce_into", "warm_up",
     "f16_to_f32", "f32_to_f16", "bf16_to_f32", "f32_to_bf16",
@@ -293,6 +293,34 @@ def _reduce_16(out, srcs, op, pre, post, bf16):
                 o[j] = _f2h(acc[j])
 
 
+def _reduce_typed(out, srcs, op, pre, post, bf16):
+    """out = reduction of srcs: the driver for out's dtype, pre/post cast to its precision."""
+
+
+@overload(_reduce_typed)
+def _reduce_typed_by_dtype(out, srcs, op, pre, post, bf16):
+    # Chosen at compile time: uint16 storage is float16/bfloat16 bits (`bf16` says which),
+    # every other dtype accumulates in itself, scaled in the tensor's own precision as
+    # torch does (the cast rounds like numpy's: the same bytes as the Python-level path).
+    if out.dtype == types.uint16:
+        def impl16(out, srcs, op, pre, post, bf16):
+            _reduce_16(out, srcs, op, np.float32(pre), np.float32(post), bf16)
+        return impl16
+    cast = out.dtype
+
+    def impl(out, srcs, op, pre, post, bf16):
+        _reduce_same(out, srcs, op, cast(pre), cast(post))
+    return impl
+
+
+@_jit
+def reduce_any(out, srcs, op, pre, post, bf16):
+    """The engine's one-call reduction (validated arguments, see reduce_unchecked): pre and
+    post are float64, `bf16` tells bfloat16 from float16 bits in uint16 storage."""
+    if out.size:
+        _reduce_typed(out, srcs, op, pre, post, bf16)
+
+
 # ------------------------------------------------------ array converters (tests, engine)
 
 @_jit
@@ -370,13 +398,7 @@ def reduce_unchecked(out, srcs, op, kind, pre=1.0, post=1.0):
     """reduce_into without the argument checks, for the engine's hot path: ops.reduce_spec
     has validated (op, kind) and remapped bool ops; the algorithms pass 1-D C-contiguous
     storage-dtype views and int64 address arrays."""
-    if out.size == 0:
-        return
-    if kind == "float16" or kind == "bfloat16":
-        _reduce_16(out, srcs, op, np.float32(pre), np.float32(post), kind == "bfloat16")
-    else:
-        t = out.dtype.type
-        _reduce_same(out, srcs, op, t(pre), t(post))
+    reduce_any(out, srcs, op, pre, post, kind == "bfloat16")
 
 
 def warm_up(kinds=None):

@@ -35,9 +35,12 @@ ranks' writers never share a cache line, nor do adjacent-line prefetches pair th
            +-------------------------------------------------------------+
 
 Rules (each rank, for every collective, in the same order on every rank):
-1. begin(seq, fp): write FP[seq % FP_RING] and SEQ (plain stores; published by rule 2).
+1. begin(seq, fp): write FP[seq % FP_RING] and SEQ (plain stores; published by rule 2),
+   at the latest just before the collective's first post.
 2. post(): store_release(POSTED, POSTED + 1). Everything written before (slot data,
    fingerprint) is visible to a peer that load_acquires POSTED >= that value.
+   exchange() is copy-in + rules 1-4 in one compiled call (the small-message path): the
+   same stores, loads and order, without a Python round trip between them.
 3. wait_all(t): load_acquire every peer's POSTED until >= t. Counters only grow, so the
    predicate is `>=`, never `==`: a fast peer that already moved on cannot be missed (the
    DeepSpeed #4048 bug class), and no word is ever reset.
@@ -69,9 +72,12 @@ validated on attach (shm.py) and fingerprints are compared, never used as length
 
 import time
 
+import numba
 import numpy as np
 
-from .atomics import read_acquire, wait_all_ge, write_release
+from .atomics import copy_bytes, load_acquire, read_acquire, store_release, wait_all_ge, \
+    write_release
+from .kernels import reduce_any
 from .errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
@@ -251,22 +257,34 @@ class Arena:
         self._peers = [p for p in range(self.world_size) if p != rank]
         self._peer_posted = np.array(
             [ctrl[p].ctypes.data + W_POSTED * LINE_WORDS * 8 for p in self._peers], np.int64)
+        self._posted_addrs = [c.ctypes.data + W_POSTED * LINE_WORDS * 8 for c in ctrl]
+        self._peer_state = np.array(
+            [ctrl[p].ctypes.data + W_STATE * LINE_WORDS * 8 for p in self._peers], np.int64)
+        self._seq_addr = ctrl[rank].ctypes.data + W_SEQ * LINE_WORDS * 8
+        fp_line = [[c.ctypes.data + (FP_LINE0 + k) * LINE_NBYTES for c in ctrl]
+                   for k in range(FP_RING)]
+        self._fp_addrs = [line[rank] for line in fp_line]
+        self._peer_fp_addrs = [np.array([line[p] for p in self._peers], np.int64)
+                               for line in fp_line]
         # _slots[i][r]: rank r's slot i as uint8; _slot_addrs[i]: int64 addresses of slot i.
         self._slots = [
             [reg[layout.data_offset + i * layout.slot_nbytes:
                  layout.data_offset + (i + 1) * layout.slot_nbytes] for reg in regions]
             for i in range(layout.nslots)]
         self._slot_addrs = [np.array([s.ctypes.data for s in row], np.int64) for row in self._slots]
+        self._slot_addr_mine = [int(a[rank]) for a in self._slot_addrs]
         self._step = int(read_acquire(self._posted_addr))
         self._known_min = self._step  # every peer has posted at least this much
         self._free_at = [0] * layout.nslots
         self._next_slot = 0
         self._spins = 0 if oversubscribed else SPINS
+        # Rule 4 is always on; False only lets a benchmark measure what the check costs.
+        self.verify = True
         # per-collective state
         self._seq = 0
         self._op_name = "?"
-        self._fp = None
         self._fp_list = []
+        self._fp_unwritten = False
         self._fp_pending = False
         self._deadline = float("inf")
         self._timeout_s = 0.0
@@ -276,20 +294,29 @@ class Arena:
     # -- collective framing ------------------------------------------------------------
 
     def begin(self, seq, op_name, fp, timeout_s):
-        """Open collective `seq`: record its fingerprint (ints) and its deadline."""
+        """Open collective `seq`: record its fingerprint (ints) and its deadline.
+
+        The fingerprint reaches shared memory with the collective's first post (post() or
+        exchange()), which is all rule 1 needs: peers read it only after that post.
+        """
         self._seq = seq
         self._op_name = op_name
         self._timeout_s = timeout_s
         self._deadline = time.monotonic() + timeout_s
         fp = [seq, self._step, *map(int, fp)]
-        line = (FP_LINE0 + seq % FP_RING) * LINE_WORDS
-        self._mine[line:line + len(fp)] = fp
-        self._mine[W_SEQ * LINE_WORDS] = seq
-        self._fp = tuple(fp)
+        if len(fp) < FP_WORDS:
+            fp += _FP_PAD[len(fp)]
         self._fp_list = fp
+        self._fp_unwritten = True
         self._fp_pending = True
         self._begin_step = self._step
         self._slot_at_begin = self._next_slot
+
+    def _write_fp(self):
+        line = (FP_LINE0 + self._seq % FP_RING) * LINE_WORDS
+        self._mine[line:line + FP_WORDS] = self._fp_list
+        self._mine[W_SEQ * LINE_WORDS] = self._seq
+        self._fp_unwritten = False
 
     @property
     def step(self):
@@ -325,11 +352,79 @@ class Arena:
         NOTE: order matters: data and fingerprint stores precede this release store, so a
         peer that observes the new value also observes them.
         """
+        if self._fp_unwritten:
+            self._write_fp()
         self._step += 1
         write_release(self._posted_addr, self._step)
         if published_slot is not None:
             self._free_at[published_slot] = self._step + 1
         return self._step
+
+    def exchange(self, i=None, src=None, byte_offset=0, nbytes=0):
+        """Copy `nbytes` of array `src` from `byte_offset` into my slot i (claimed), post,
+        and wait for every peer to post too: post(i) + wait_all() in one compiled call.
+        Without a slot (i None) it is post() + wait_all(): nothing is published.
+
+        On the first post of a collective the kernel also writes the fingerprint and checks
+        the peers' (rule 4); anything but a clean pass (a slow peer, a mismatch, an abort)
+        is finished by the Python code of wait_all, which owns the slow path and the errors.
+        """
+        if i is None:
+            self._exchange(None, _NO_BYTES, 0, 0, 0, None)
+        else:
+            self._exchange(i, src, byte_offset, nbytes, self._slot_addr_mine[i], None)
+
+    def exchange_reduce(self, i, buf, start, n, spec):
+        """exchange() of buf[start:start + n] through my slot i, then buf[start:start + n] =
+        the reduction (ops.ReduceSpec `spec`) of every rank's slot i in rank order: the
+        one-shot all_reduce chunk as one compiled call when nobody is late."""
+        size = buf.itemsize
+        self._exchange(i, buf, start * size, n * size, self._slot_addr_mine[i], spec)
+
+    def _exchange(self, i, src, byte_offset, nbytes, dst, spec):
+        check = self._fp_unwritten
+        if check:
+            fp = self._fp_list
+            fp_addr = self._fp_addrs[self._seq % FP_RING]
+            peer_fp = self._peer_fp_addrs[self._seq % FP_RING]
+        else:
+            fp = _NO_FP
+            fp_addr = 0
+            peer_fp = self._peer_fp_addrs[0]
+        step = self._step + 1
+        if i is not None:
+            self._free_at[i] = step + 1
+        if spec is None:
+            r = _exchange_kernel(src, byte_offset, nbytes, dst, fp_addr,
+                                 fp[0], fp[1], fp[2], fp[3], fp[4], fp[5], fp[6], fp[7],
+                                 self._seq_addr, self._seq, self._posted_addr, step,
+                                 self._peer_posted, peer_fp, self._peer_state, self._spins,
+                                 YIELDS, self._state_addr, self.verify)
+        else:
+            r = _exchange_reduce_kernel(src, byte_offset, nbytes, dst, fp_addr,
+                                        fp[0], fp[1], fp[2], fp[3], fp[4], fp[5], fp[6], fp[7],
+                                        self._seq_addr, self._seq, self._posted_addr, step,
+                                        self._peer_posted, peer_fp, self._peer_state,
+                                        self._spins, YIELDS, self._state_addr, self.verify,
+                                        self._slot_addrs[i], spec.op, spec.pre, spec.post,
+                                        spec.kind == "bfloat16")
+        self._fp_unwritten = False
+        self._step = step
+        if r == -1:  # everyone arrived, fingerprints (if checked) match, nobody aborted
+            self._known_min = step
+            if check:
+                self._fp_pending = False
+            return
+        if r >= 0 or r == -2:  # not all there within the fast tiers, or my abort word
+            self._wait_slow(step, r)
+        self._known_min = step
+        if self._fp_pending:
+            self._check_fingerprints()  # raises on the mismatch/abort the kernel saw
+        if spec is not None:  # the kernel left the reduction to us
+            size = src.itemsize
+            lo = byte_offset // size
+            reduce_any(src[lo:lo + nbytes // size], self._slot_addrs[i], spec.op, spec.pre,
+                       spec.post, spec.kind == "bfloat16")
 
     def wait_all(self, target=None):
         """Wait until every peer has posted >= target (default: my own step)."""
@@ -378,7 +473,8 @@ class Arena:
         aborted = None
         for peer in missing:
             state = int(self._ctrl[peer][W_STATE * LINE_WORDS])
-            if state == STATE_CLOSED or not self._is_alive(peer):
+            if (state == STATE_CLOSED or not self._is_alive(peer)) and self._still_short(
+                    peer, target):
                 raise self._lost_error(peer, state)
             if state == STATE_ABORTED and aborted is None:
                 aborted = peer
@@ -391,6 +487,13 @@ class Arena:
             raise GroupAbortedError(
                 f"{self._op_name}: rank {aborted} aborted the group while rank {self.rank} "
                 f"waited for it at seq {self._seq}; this group is unusable, create a new one")
+
+    def _still_short(self, peer, target):
+        """Re-read the peer's POSTED after seeing it closed or dead: it may have posted
+        `target` (then finished and closed) between our first read and the state read. A
+        closing peer stores STATE after its last post, and a dead one posts no more, so this
+        second read is final."""
+        return read_acquire(self._posted_addrs[peer]) < target
 
     def _lost_error(self, peer, state):
         what = "closed the group" if state == STATE_CLOSED else "exited"
@@ -412,6 +515,8 @@ class Arena:
 
     def _check_fingerprints(self):
         self._fp_pending = False
+        if not self.verify:
+            return
         mine = self._fp_list
         line = (FP_LINE0 + self._seq % FP_RING) * LINE_WORDS
         end = line + len(mine)
@@ -458,3 +563,84 @@ class Arena:
 
     def is_peer_alive(self, peer):
         return self._is_alive(peer)
+
+
+# Storage dtypes slots carry (ops.DTYPES storages, plus uint8 for byte-moving collectives).
+_STORAGE = (np.uint8, np.int8, np.int16, np.uint16, np.int32, np.int64, np.float32, np.float64,
+            np.complex64, np.complex128)
+
+
+def warm_up(storage=_STORAGE):
+    """Compile (or load from numba's cache) the exchange kernels for these storage dtypes,
+    with exactly the argument types Arena passes (warmup.py); returns nothing."""
+    words = np.zeros(LINE_WORDS, np.int64)
+    w = words.ctypes.data
+    none = np.zeros(0, np.int64)
+    srcs = np.array([w], np.int64)
+    for dt in storage:
+        a = np.zeros(1, dt)
+        fp = (0, 0, 0, 0, 0, 0, 0, 0)
+        _exchange_kernel(a, 0, 0, 0, 0, *fp, w, 0, w + 8, 0, none, none, none, 0, 0, w + 16,
+                         True)
+        _exchange_reduce_kernel(a, 0, 0, 0, 0, *fp, w, 0, w + 8, 0, none, none, none, 0, 0,
+                                w + 16, True, srcs, 0, 1.0, 1.0, False)
+
+
+_FP_PAD = [[0] * (FP_WORDS - n) for n in range(FP_WORDS + 1)]
+_NO_FP = [0] * FP_WORDS
+_NO_BYTES = np.zeros(0, np.uint8)
+
+
+@numba.njit(nogil=True, cache=True)
+def _exchange_kernel(src, byte_offset, nbytes, dst, fp_addr, f0, f1, f2, f3, f4, f5, f6, f7,
+                     seq_addr, seq, posted_addr, step, peer_posted, peer_fp, peer_state,
+                     spins, yields, abort_addr, verify):
+    """Arena.exchange's compiled body: copy-in, rules 1-4, nothing else.
+
+    Returns -1 when every peer posted `step` (and, with fp_addr != 0 and `verify`, every
+    fingerprint matched and no peer is ABORTED); -3 on a fingerprint mismatch, -4 on an aborted peer;
+    else wait_all_ge's code (a peer still missing after the fast tiers, or -2: aborted).
+    """
+    if nbytes > 0:
+        copy_bytes(dst, src.ctypes.data + byte_offset, nbytes)
+    if fp_addr != 0:  # rule 1: plain stores, published by the release store below
+        store_release(fp_addr, f0)
+        store_release(fp_addr + 8, f1)
+        store_release(fp_addr + 16, f2)
+        store_release(fp_addr + 24, f3)
+        store_release(fp_addr + 32, f4)
+        store_release(fp_addr + 40, f5)
+        store_release(fp_addr + 48, f6)
+        store_release(fp_addr + 56, f7)
+        store_release(seq_addr, seq)
+    store_release(posted_addr, step)  # rule 2
+    r = wait_all_ge(peer_posted, step, spins, yields, abort_addr)  # rule 3
+    if r != -1 or fp_addr == 0 or not verify:
+        return r
+    for k in range(peer_fp.shape[0]):  # rule 4
+        a = peer_fp[k]
+        if (load_acquire(a) != f0 or load_acquire(a + 8) != f1
+                or load_acquire(a + 16) != f2 or load_acquire(a + 24) != f3
+                or load_acquire(a + 32) != f4 or load_acquire(a + 40) != f5
+                or load_acquire(a + 48) != f6 or load_acquire(a + 56) != f7):
+            return -3
+    for k in range(peer_state.shape[0]):
+        if load_acquire(peer_state[k]) == STATE_ABORTED:
+            return -4
+    return -1
+
+
+@numba.njit(nogil=True, cache=True)
+def _exchange_reduce_kernel(src, byte_offset, nbytes, dst, fp_addr, f0, f1, f2, f3, f4, f5, f6,
+                            f7, seq_addr, seq, posted_addr, step, peer_posted, peer_fp,
+                            peer_state, spins, yields, abort_addr, verify, srcs, op, pre, post,
+                            bf16):
+    """_exchange_kernel, then (only on its clean pass, -1) src[chunk] = the reduction of
+    the slots at `srcs` (kernels.reduce_any)."""
+    r = _exchange_kernel(src, byte_offset, nbytes, dst, fp_addr, f0, f1, f2, f3, f4, f5, f6,
+                         f7, seq_addr, seq, posted_addr, step, peer_posted, peer_fp,
+                         peer_state, spins, yields, abort_addr, verify)
+    if r == -1:
+        lo = byte_offset // src.itemsize
+        reduce_any(src[lo:lo + nbytes // src.itemsize], srcs, op, pre, post, bf16)
+    return r

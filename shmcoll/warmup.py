@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-from . import kernels
+from . import kernels, protocol
 from .atomics import read_acquire, wait_all_ge, wait_any_ge, write_release
 
 __all__ = ["warm_up", "warm_up_async"]
@@ -36,6 +36,8 @@ def warm_up():
         # specialization being compiled (numba compiles under one global lock).
         for kinds in (["float"], ["bfloat16", "float16"], ["int", "bool", "complex"]):
             kernels.warm_up(kinds)
+            protocol.warm_up([np.dtype(d).type for k in kinds for d in kernels.KINDS[k]]
+                             + ([np.uint8] if kinds[0] == "float" else []))
         _done = True
         return time.perf_counter() - t0
 

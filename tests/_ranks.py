@@ -560,19 +560,14 @@ def scenario_mismatch(c):
 
 
 def scenario_fp_cost(c):
-    """Time an 8-byte all_reduce with the fingerprint check and with it patched to a no-op,
+    """Time an 8-byte all_reduce with the fingerprint check on and off (Arena.verify),
     alternating every call (same processes, same run, same load): per-call samples."""
     import numpy as np
 
-    from shmcoll import protocol
     c.new_group()
-    real = protocol.Arena._check_fingerprints
-
-    def off(self):
-        self._fp_pending = False
-
     a = np.ones(1, np.float64)
     g = c.group
+    arena = g._arena
     for _ in range(500):  # warm-up
         g.all_reduce(a)
     n = c.args["iters"]
@@ -582,11 +577,11 @@ def scenario_fp_cost(c):
     samples = np.empty(n)
     clock = time.perf_counter
     for i in range(n):
-        protocol.Arena._check_fingerprints = off if modes[i] else real
+        arena.verify = not modes[i]
         t0 = clock()
         g.all_reduce(a)
         samples[i] = clock() - t0
-    protocol.Arena._check_fingerprints = real
+    arena.verify = True
     us = samples * 1e6
     c.emit("times", on=[float(np.percentile(us[~modes], q)) for q in (10, 25, 50)],
            off=[float(np.percentile(us[modes], q)) for q in (10, 25, 50)])

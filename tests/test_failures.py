@@ -314,7 +314,7 @@ def test_mismatch_detected_on_every_rank_before_data_moves(tmp_path):
 
 def test_mismatch_check_cost(tmp_path):
     """Guards (and measures): the always-on fingerprint check stays cheap. End to end: 8-byte
-    all_reduce on 2 processes, the check on and patched to a no-op on alternate calls (both
+    all_reduce on 2 processes, the check on and off (Arena.verify) on alternate calls (both
     modes see the same load), percentiles of per-call times. In-process: the check alone."""
     with Job("fp_cost", 2, tmp_path, args={"iters": 20000}) as job:
         times = job.event(0, "times", timeout_s=300)
@@ -328,6 +328,7 @@ def test_mismatch_check_cost(tmp_path):
         arenas = [protocol.Arena(regions, r, layout, lambda p: True) for r in range(ws)]
         for a in arenas:
             a.begin(7, "all_reduce", (2, 3, 1, 0, 0, 1234), 10.0)
+            a._write_fp()  # what the first post does
         a, n = arenas[0], 20000
         t0 = time.perf_counter()
         for _ in range(n):

@@ -21,10 +21,8 @@ def all_reduce_one_shot(arena, buf, spec):
     for start in range(0, buf.size, per):
         n = min(per, buf.size - start)
         i = arena.next_slot()
-        arena.claim(i)[:n * itemsize].view(buf.dtype)[:] = buf[start:start + n]
-        arena.post(i)
-        arena.wait_all()
-        reduce_into(buf[start:start + n], arena.slot_addrs(i), spec.op, spec.kind, spec.pre, spec.post)
+        arena.claim(i)
+        arena.exchange_reduce(i, buf, start, n, spec)
 
 
 def all_reduce_two_shot(arena, buf, spec):
@@ -43,9 +41,7 @@ def all_reduce_two_shot(arena, buf, spec):
         n = min(per, buf.size - start)
         i = arena.next_slot()
         mine = arena.claim(i)[:n * itemsize].view(buf.dtype)
-        mine[:] = buf[start:start + n]
-        arena.post(i)
-        arena.wait_all()
+        arena.exchange(i, buf, start * itemsize, n * itemsize)
         lo, hi = n * rank // world, n * (rank + 1) // world
         if hi > lo:
             reduce_into(mine[lo:hi], arena.slot_addrs(i) + lo * itemsize,

@@ -16,10 +16,8 @@ def broadcast_direct(arena, buf, root):
         n = min(per, buf.size - start)
         i = arena.next_slot()
         if arena.rank == root:
-            arena.claim(i)[:n] = buf[start:start + n]
-            arena.post(i)
-            arena.wait_all()
+            arena.claim(i)
+            arena.exchange(i, buf, start, n)
         else:
-            arena.post()
-            arena.wait_all()
+            arena.exchange()
             buf[start:start + n] = arena.slot(i, root)[:n]

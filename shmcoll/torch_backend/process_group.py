@@ -34,8 +34,9 @@ from ..ops import ReduceOp, dtype_of, reduce_spec
 from . import checks
 from . import sparse as _sparse
 from .convert import as_array, reduce_op, timeout_s, to_seconds
+from .fast import allreduce_inline
 from .p2p import P2PMixin
-from .work import Executor, Job, ShmWork, torch_error
+from .work import CompletedWork, Executor, Job, ShmWork, torch_error
 
 __all__ = ["EngineProcessGroup", "ProcessGroupShm", "ShmOptions"]
 
@@ -180,7 +181,7 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
         self._last_job = None  # jobs run in issue order: this one done = nothing pending
         done = Job("sync", lambda: None, [])
         done.run()
-        self._completed_work = ShmWork(self._executor, done)  # returned by synchronous ops
+        self._completed_work = CompletedWork(self._executor, done)  # returned by sync ops
 
     # -- plumbing ------------------------------------------------------------------------
 
@@ -311,6 +312,10 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
         """allreduce(tensors, opts) | allreduce(tensors, op=SUM, timeout=None) |
         allreduce(tensor, op=SUM, timeout=None). gloo semantics for a list: the reduction
         runs over every tensor of every rank and every tensor receives the result."""
+        if timeout is None and op is None:
+            work = allreduce_inline(self, tensors, opts)
+            if work is not None:
+                return work
         name = "allreduce"
         tensors = _tensor_list(tensors)
         opts = _allreduce_opts(opts, op, timeout)

@@ -8,7 +8,7 @@ import time
 import torch
 import torch.distributed as dist
 
-__all__ = ["Job", "Executor", "ShmWork", "torch_error"]
+__all__ = ["Job", "Executor", "ShmWork", "CompletedWork", "torch_error"]
 
 _ERROR_TYPES = {}
 
@@ -120,18 +120,19 @@ class Executor:
             self._cv.notify()
         return job
 
-    def run_inline(self, fn):
-        """Run `fn` on this thread after every queued job (issue order holds); its error is
-        raised here, typed as a torch DistBackendError."""
+    def run_inline(self, fn, *args):
+        """Run `fn(*args)` on this thread after every queued job (issue order holds); its
+        error is raised here, typed as a torch DistBackendError."""
         with self._running:
             if self._stopped:
                 raise torch_error(RuntimeError(
                     f"the process group was {self._stop_reason}; it accepts no new operations "
                     f"(create a new process group)"))
-            self._run_until(None)
+            if self._queue:  # this thread's earlier async ops go first
+                self._run_until(None)
             self.inline_busy = True  # shutdown from another thread must abort, not wait
             try:
-                return fn()
+                return fn(*args)
             except BaseException as e:
                 raise torch_error(e) from None
             finally:
@@ -258,3 +259,11 @@ class ShmWork(dist.Work):
 
     def synchronize(self):
         self.wait()
+
+
+class CompletedWork(ShmWork):
+    """The Work of a synchronous op, returned after the op ran (and raised, if it failed):
+    wait() has nothing left to do."""
+
+    def wait(self, timeout=None):
+        return True
