@@ -370,49 +370,80 @@ class Arena:
         is finished by the Python code of wait_all, which owns the slow path and the errors.
         """
         if i is None:
-            self._exchange(None, _NO_BYTES, 0, 0, 0, None)
+            src, dst, nbytes = _NO_BYTES, 0, 0
         else:
-            self._exchange(i, src, byte_offset, nbytes, self._slot_addr_mine[i], None)
-
-    def exchange_reduce(self, i, buf, start, n, spec):
-        """exchange() of buf[start:start + n] through my slot i, then buf[start:start + n] =
-        the reduction (ops.ReduceSpec `spec`) of every rank's slot i in rank order: the
-        one-shot all_reduce chunk as one compiled call when nobody is late."""
-        size = buf.itemsize
-        self._exchange(i, buf, start * size, n * size, self._slot_addr_mine[i], spec)
-
-    def _exchange(self, i, src, byte_offset, nbytes, dst, spec):
-        check = self._fp_unwritten
-        if check:
-            fp = self._fp_list
-            fp_addr = self._fp_addrs[self._seq % FP_RING]
-            peer_fp = self._peer_fp_addrs[self._seq % FP_RING]
-        else:
-            fp = _NO_FP
-            fp_addr = 0
-            peer_fp = self._peer_fp_addrs[0]
+            dst = self._slot_addr_mine[i]
+        fp, fp_addr, peer_fp = self._fp_args()
         step = self._step + 1
         if i is not None:
             self._free_at[i] = step + 1
-        if spec is None:
-            r = _exchange_kernel(src, byte_offset, nbytes, dst, fp_addr,
-                                 fp[0], fp[1], fp[2], fp[3], fp[4], fp[5], fp[6], fp[7],
-                                 self._seq_addr, self._seq, self._posted_addr, step,
-                                 self._peer_posted, peer_fp, self._peer_state, self._spins,
-                                 YIELDS, self._state_addr, self.verify)
-        else:
-            r = _exchange_reduce_kernel(src, byte_offset, nbytes, dst, fp_addr,
-                                        fp[0], fp[1], fp[2], fp[3], fp[4], fp[5], fp[6], fp[7],
-                                        self._seq_addr, self._seq, self._posted_addr, step,
-                                        self._peer_posted, peer_fp, self._peer_state,
-                                        self._spins, YIELDS, self._state_addr, self.verify,
-                                        self._slot_addrs[i], spec.op, spec.pre, spec.post,
-                                        spec.kind == "bfloat16")
+        r = _exchange_kernel(src, byte_offset, nbytes, dst, fp_addr,
+                             fp[0], fp[1], fp[2], fp[3], fp[4], fp[5], fp[6], fp[7],
+                             self._seq_addr, self._seq, self._posted_addr, step,
+                             self._peer_posted, peer_fp, self._peer_state, self._spins,
+                             YIELDS, self._state_addr, self.verify)
         self._fp_unwritten = False
         self._step = step
+        self._finish_wait(step, r, fp_addr != 0)
+
+    def exchange_reduce(self, i, buf, start, n, spec, sub_nbytes):
+        """buf[start:start + n] = the reduction (ops.ReduceSpec `spec`) of every rank's
+        buf[start:start + n], in rank order, through my slot i (claimed): the one-shot
+        all_reduce chunk as one compiled call when nobody is late.
+
+        Streamed: sub-chunks of `sub_nbytes` are copied in, posted (one step each), waited
+        for and reduced one after the other, so each peer reads a sub-chunk from the
+        writer's cache right after it was written rather than from memory.
+        """
+        size = buf.itemsize
+        byte_offset, nbytes = start * size, n * size
+        sub = max(size, sub_nbytes - sub_nbytes % size)
+        nsub = max(1, -(-nbytes // sub))
+        step0 = self._step
+        self._free_at[i] = step0 + nsub + 1
+        srcs, dst, bf16 = self._slot_addrs[i], self._slot_addr_mine[i], spec.kind == "bfloat16"
+        k = 0
+        while True:
+            fp, fp_addr, peer_fp = self._fp_args()
+            done, r = _stream_reduce_kernel(
+                buf, byte_offset, nbytes, sub, k, dst, fp_addr,
+                fp[0], fp[1], fp[2], fp[3], fp[4], fp[5], fp[6], fp[7],
+                self._seq_addr, self._seq, self._posted_addr, step0, self._peer_posted, peer_fp,
+                self._peer_state, self._spins, YIELDS, self._state_addr, self.verify, srcs,
+                self.rank, spec.op, spec.pre, spec.post, bf16)
+            self._fp_unwritten = False
+            if r == -1:  # every sub-chunk exchanged and reduced
+                self._step = self._known_min = step0 + nsub
+                if fp_addr:
+                    self._fp_pending = False
+                return
+            # sub-chunk `done` is posted but not everyone has posted it: finish in Python
+            self._step = step0 + done + 1
+            self._finish_wait(self._step, r, fp_addr != 0 and done == 0)
+            if fp_addr and done > 0:
+                self._fp_pending = False  # the kernel checked them at sub-chunk 0
+            lo = byte_offset + done * sub
+            _reduce_chunk(buf, lo, min(sub, nbytes - done * sub), srcs + done * sub,
+                          self.rank, spec.op, spec.pre, spec.post, bf16)
+            k = done + 1
+            if k >= nsub:
+                self._step = step0 + nsub
+                return
+
+    def _fp_args(self):
+        """(fingerprint words, my FP line address, peers' FP line addresses) for a kernel:
+        address 0 once the fingerprint is out (the kernel then neither writes nor checks)."""
+        if self._fp_unwritten:
+            k = self._seq % FP_RING
+            return self._fp_list, self._fp_addrs[k], self._peer_fp_addrs[k]
+        return _NO_FP, 0, self._peer_fp_addrs[0]
+
+    def _finish_wait(self, step, r, checked):
+        """After a kernel posted `step` and returned wait code r (checked: it compared the
+        fingerprints): slow-wait if peers are missing, then raise what the kernel saw."""
         if r == -1:  # everyone arrived, fingerprints (if checked) match, nobody aborted
             self._known_min = step
-            if check:
+            if checked:
                 self._fp_pending = False
             return
         if r >= 0 or r == -2:  # not all there within the fast tiers, or my abort word
@@ -420,11 +451,6 @@ class Arena:
         self._known_min = step
         if self._fp_pending:
             self._check_fingerprints()  # raises on the mismatch/abort the kernel saw
-        if spec is not None:  # the kernel left the reduction to us
-            size = src.itemsize
-            lo = byte_offset // size
-            reduce_any(src[lo:lo + nbytes // size], self._slot_addrs[i], spec.op, spec.pre,
-                       spec.post, spec.kind == "bfloat16")
 
     def wait_all(self, target=None):
         """Wait until every peer has posted >= target (default: my own step)."""
@@ -582,8 +608,9 @@ def warm_up(storage=_STORAGE):
         fp = (0, 0, 0, 0, 0, 0, 0, 0)
         _exchange_kernel(a, 0, 0, 0, 0, *fp, w, 0, w + 8, 0, none, none, none, 0, 0, w + 16,
                          True)
-        _exchange_reduce_kernel(a, 0, 0, 0, 0, *fp, w, 0, w + 8, 0, none, none, none, 0, 0,
-                                w + 16, True, srcs, 0, 1.0, 1.0, False)
+        _stream_reduce_kernel(a, 0, 0, 64, 0, 0, 0, *fp, w, 0, w + 8, 0, none, none, none, 0,
+                              0, w + 16, True, srcs, 0, 0, 1.0, 1.0, False)
+        _reduce_chunk(a, 0, 0, srcs, 0, 0, 1.0, 1.0, False)
 
 
 _FP_PAD = [[0] * (FP_WORDS - n) for n in range(FP_WORDS + 1)]
@@ -631,16 +658,36 @@ def _exchange_kernel(src, byte_offset, nbytes, dst, fp_addr, f0, f1, f2, f3, f4,
 
 
 @numba.njit(nogil=True, cache=True)
-def _exchange_reduce_kernel(src, byte_offset, nbytes, dst, fp_addr, f0, f1, f2, f3, f4, f5, f6,
-                            f7, seq_addr, seq, posted_addr, step, peer_posted, peer_fp,
-                            peer_state, spins, yields, abort_addr, verify, srcs, op, pre, post,
-                            bf16):
-    """_exchange_kernel, then (only on its clean pass, -1) src[chunk] = the reduction of
-    the slots at `srcs` (kernels.reduce_any)."""
-    r = _exchange_kernel(src, byte_offset, nbytes, dst, fp_addr, f0, f1, f2, f3, f4, f5, f6,
-                         f7, seq_addr, seq, posted_addr, step, peer_posted, peer_fp,
-                         peer_state, spins, yields, abort_addr, verify)
-    if r == -1:
-        lo = byte_offset // src.itemsize
-        reduce_any(src[lo:lo + nbytes // src.itemsize], srcs, op, pre, post, bf16)
-    return r
+def _stream_reduce_kernel(src, byte_offset, nbytes, sub, k0, dst, fp_addr, f0, f1, f2, f3, f4,
+                          f5, f6, f7, seq_addr, seq, posted_addr, step0, peer_posted, peer_fp,
+                          peer_state, spins, yields, abort_addr, verify, srcs, rank, op, pre,
+                          post, bf16):
+    """Arena.exchange_reduce's body from sub-chunk k0 on: for each sub-chunk k, the
+    _exchange_kernel steps (posting step0 + k + 1; the fingerprint with sub-chunk 0), then
+    its reduction. Returns (k, code): (count, -1) when all are done, else the sub-chunk
+    whose wait did not complete cleanly (posted, not reduced) and the wait code."""
+    nsub = max(1, (nbytes + sub - 1) // sub)
+    for k in range(k0, nsub):
+        off = k * sub
+        m = min(sub, nbytes - off)
+        r = _exchange_kernel(src, byte_offset + off, m, dst + off, fp_addr if k == 0 else 0,
+                             f0, f1, f2, f3, f4, f5, f6, f7, seq_addr, seq, posted_addr,
+                             step0 + k + 1, peer_posted, peer_fp, peer_state, spins, yields,
+                             abort_addr, verify)
+        if r != -1:
+            return k, r
+        _reduce_chunk(src, byte_offset + off, m, srcs + off, rank, op, pre, post, bf16)
+    return nsub, -1
+
+
+@numba.njit(nogil=True, cache=True)
+def _reduce_chunk(src, byte_offset, nbytes, srcs, rank, op, pre, post, bf16):
+    """src[chunk] = reduction of every rank's copy of the chunk, in rank order, reading my
+    own contribution from src itself rather than from my slot: the same bytes (I copied
+    them there), but still in cache from the copy-in, so only the peers' slots cost a
+    cross-core transfer (one read less per byte from memory for large messages)."""
+    lo = byte_offset // src.itemsize
+    out = src[lo:lo + nbytes // src.itemsize]
+    mine = srcs.copy()
+    mine[rank] = out.ctypes.data
+    reduce_any(out, mine, op, pre, post, bf16)

@@ -7,7 +7,7 @@ from .group import Group, describe_fingerprint, is_oversubscribed
 from .p2p import P2PEngine
 from .protocol import Arena, RegionLayout
 from .shm import PidLiveness, ShmRegions
-from .warmup import warm_up_async
+from .warmup import wait_ready, warm_up_async
 
 __all__ = ["new_shm_group"]
 
@@ -45,4 +45,5 @@ def new_shm_group(store, rank, world_size, timeout_s=1800.0, cfg=None, name=""):
                   closers=[p2p.close, liveness.close, regions.close], name=name,
                   aborter=p2p.abort)
     group.attach_p2p(p2p)
+    wait_ready()  # see warmup.py: a loader beside the first collectives slows them
     return group
