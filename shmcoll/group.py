@@ -245,8 +245,18 @@ class Group:
     def all_gather(self, outs, array, timeout_s=None):
         """outs[j] (list of world_size arrays, or one array of world_size * array.size
         elements) receives rank j's `array`."""
-        self._usable("all_gather")
+        if self._poison is not None or self._closed:
+            self._usable("all_gather")
         _check_arrays("all_gather", [array])
+        if type(outs) is np.ndarray and outs.flags.c_contiguous and outs.flags.writeable \
+                and outs.dtype == array.dtype and outs.size == self.world_size * array.size:
+            # One contiguous output (all_gather_into_tensor): gathered straight into it.
+            src = array if array.flags.c_contiguous else np.ascontiguousarray(array)
+            self._run("all_gather", (_code_of(array), src.size, 0, 0, _shape(array)),
+                      _local_all_gather if self._arena is None else
+                      algorithms.select("all_gather", src.nbytes, self.world_size),
+                      _bytes(src), _bytes(outs), timeout_s=timeout_s, nbytes=src.nbytes)
+            return outs
         outs, whole = self._split_out("all_gather", outs, array)
         src = np.ascontiguousarray(array)
         flats = [_Flat(o, o.dtype, copy_in=False) for o in outs]
@@ -261,18 +271,26 @@ class Group:
     def reduce_scatter(self, out, ins, op=ReduceOp.SUM, dtype=None, timeout_s=None, premul=1.0):
         """out = reduction over ranks of their ins[rank]; `ins` is a list of world_size
         arrays (sizes may differ per destination) or one array of world_size * out.size."""
-        self._usable("reduce_scatter")
+        if self._poison is not None or self._closed:
+            self._usable("reduce_scatter")
         _check_arrays("reduce_scatter", [out])
         dt = dtype_of(out, dtype)
         spec = reduce_spec(op, dt, self.world_size, "reduce_scatter", premul)
-        ins = self._split_in("reduce_scatter", ins, out)
-        blocks = [np.ascontiguousarray(a).reshape(-1).view(dt.storage) for a in ins]
+        if type(ins) is np.ndarray and ins.flags.c_contiguous and ins.dtype == out.dtype \
+                and ins.size == self.world_size * out.size:
+            # One contiguous input of equal blocks (reduce_scatter_tensor): no split.
+            blocks = _bytes(ins).view(dt.storage)
+            sizes = (out.size,) * self.world_size
+            nbytes = blocks.nbytes
+        else:
+            ins = self._split_in("reduce_scatter", ins, out)
+            blocks = [np.ascontiguousarray(a).reshape(-1).view(dt.storage) for a in ins]
+            sizes = tuple(b.size for b in blocks)
+            nbytes = sum(b.nbytes for b in blocks)
         f = _Flat(out, dt.storage, copy_in=False)
-        sizes = tuple(b.size for b in blocks)
         algo = _local_reduce_scatter if self._arena is None else self._select("reduce_scatter", 0)
         self._run("reduce_scatter", (dt.code, sum(sizes), 0, int(op), _shape(None, sizes)),
-                  algo, blocks, f.flat, spec, timeout_s=timeout_s,
-                  nbytes=sum(b.nbytes for b in blocks))
+                  algo, blocks, f.flat, spec, timeout_s=timeout_s, nbytes=nbytes)
         f.write_back()
         return out
 
@@ -497,7 +515,7 @@ def _local_reduce_rooted(arena, flat, root, spec):
 
 
 def _local_all_gather(arena, src, outs):
-    outs[0][:] = src
+    (outs if type(outs) is np.ndarray else outs[0])[:] = src
 
 
 def _local_all_gather_rooted(arena, src, outs, root):
@@ -505,7 +523,7 @@ def _local_all_gather_rooted(arena, src, outs, root):
 
 
 def _local_reduce_scatter(arena, blocks, out, spec):
-    out[:] = blocks[0]
+    out[:] = blocks if type(blocks) is np.ndarray else blocks[0]
     _local_reduce(arena, out, spec)
 
 

@@ -9,7 +9,8 @@ def reduce_scatter_direct(arena, blocks, out, spec):
     """Rank r ends with the reduction over ranks of everyone's block r.
 
     `blocks[j]`: my contribution to rank j (1-D, typed; lengths may differ per j but are the
-    same on every rank); `out`: my result, len(blocks[rank]) elements.
+    same on every rank), or one 1-D array of world_size equal blocks; `out`: my result,
+    len(blocks[rank]) elements.
     Steps per chunk: 1. Bytes: write S (one piece of every block), read N*S/N.
     1. copy piece c of every block j into sub-slot j of my slot; post.
     2. wait for all; reduce sub-slot[rank] of every slot, in rank order, into my output.
@@ -17,6 +18,18 @@ def reduce_scatter_direct(arena, blocks, out, spec):
     world, rank = arena.world_size, arena.rank
     itemsize = out.itemsize
     per = arena.slot_nbytes // (itemsize * world)  # elements of each block per chunk
+    if not isinstance(blocks, list):
+        # One array of world_size equal blocks (reduce_scatter_tensor) that fits a slot:
+        # lay the slot out like the input (block j at j * size), one copy-in for all.
+        if blocks.size and blocks.nbytes <= arena.slot_nbytes:
+            size = blocks.size // world
+            i = arena.next_slot()
+            arena.claim(i)
+            arena.exchange(i, blocks, 0, blocks.nbytes)
+            reduce_into(out, arena.slot_addrs(i) + rank * size * itemsize, spec.op, spec.kind,
+                        spec.pre, spec.post)
+            return
+        blocks = list(blocks.reshape(world, -1)) if blocks.size else [blocks] * world
     longest = max(b.size for b in blocks)
     for start in range(0, longest, per):
         i = arena.next_slot()

@@ -1,4 +1,5 @@
-"""The latency path: `dist.all_reduce(t)` on one dense contiguous CPU tensor, in ~2 us.
+"""The latency path: synchronous calls on dense contiguous CPU tensors, handed straight to
+the engine (`dist.all_reduce(t)` in ~2 us of adapter time instead of ~15 us).
 
 torch's front end calls `pg.allreduce([t], opts)` with `opts.asyncOp = False` and waits on
 the Work at once. The general path (process_group.py) validates with gloo's wording, builds
@@ -15,12 +16,17 @@ import datetime
 
 import torch
 import torch.distributed as dist
+from torch._C import _distributed_c10d as _c10d
 
 from ..ops import ReduceOp
 
-__all__ = ["allreduce_inline"]
+__all__ = ["allreduce_inline", "broadcast_inline", "all_gather_single_inline",
+           "reduce_scatter_single_inline"]
 
 _OPTIONS = dist.AllreduceOptions
+_BCAST_OPTIONS = dist.BroadcastOptions
+_GATHER_OPTIONS = _c10d.AllgatherOptions
+_RS_OPTIONS = dist.ReduceScatterOptions
 _STRIDED = torch.strided
 _ZERO = datetime.timedelta(0)
 
@@ -34,6 +40,78 @@ _FAST_DTYPES = {torch.float32: _FLOAT_OPS, torch.float64: _FLOAT_OPS,
                 torch.float16: _FLOAT_OPS, torch.int32: _REAL_OPS, torch.int64: _REAL_OPS,
                 torch.int16: _REAL_OPS, torch.int8: _REAL_OPS, torch.uint8: _REAL_OPS,
                 torch.bool: _REAL_OPS}
+
+
+# dtypes tensor.numpy() views directly (byte-moving collectives take any of them).
+_NUMPY_DTYPES = set(_FAST_DTYPES) | {torch.complex64, torch.complex128}
+
+
+def _plain(t):
+    """A dense contiguous CPU tensor numpy can view without a copy or a detach."""
+    return type(t) is torch.Tensor and t.layout is _STRIDED and t.is_cpu \
+        and not t.requires_grad and t.is_contiguous()
+
+
+def _ready(pg, opts):
+    """Synchronous, not coalescing, group healthy: the inline path may run."""
+    return not opts.asyncOp and pg._coalescing is None and pg.group.poisoned is None
+
+
+def _timeout_s(pg, opts):
+    timeout = opts.timeout
+    return timeout.total_seconds() if timeout >= _ZERO else pg.group.timeout_s
+
+
+def _run(pg, fn, *args):
+    with pg._lock:
+        pg._seq += 1
+    pg._executor.run_inline(fn, *args)
+    return pg._completed_work
+
+
+def _op_for(dtype, want):
+    ops = _FAST_DTYPES.get(dtype)
+    if ops is not None:
+        for theirs, op in ops:
+            if want == theirs:
+                return op
+    return None
+
+
+def broadcast_inline(pg, tensors, opts):
+    """pg.broadcast([t], opts) of dist.broadcast(t, src), or None (general path)."""
+    if type(opts) is not _BCAST_OPTIONS or type(tensors) is not list or len(tensors) != 1 \
+            or not _ready(pg, opts):
+        return None
+    t = tensors[0]
+    root = opts.rootRank
+    if not _plain(t) or t.dtype not in _NUMPY_DTYPES or opts.rootTensor != 0 \
+            or not 0 <= root < pg.group.world_size:
+        return None
+    return _run(pg, pg.group.broadcast, t.numpy(), root, _timeout_s(pg, opts))
+
+
+def all_gather_single_inline(pg, output, input, opts):
+    """pg.all_gather_single(out, in, opts) of dist.all_gather_into_tensor, or None."""
+    if type(opts) is not _GATHER_OPTIONS or not _ready(pg, opts) or not _plain(output) \
+            or not _plain(input) or output.dtype is not input.dtype \
+            or input.dtype not in _NUMPY_DTYPES \
+            or output.numel() != input.numel() * pg.group.world_size:
+        return None
+    return _run(pg, pg.group.all_gather, output.numpy(), input.numpy(), _timeout_s(pg, opts))
+
+
+def reduce_scatter_single_inline(pg, output, input, opts):
+    """pg.reduce_scatter_single(out, in, opts) of dist.reduce_scatter_tensor, or None."""
+    if type(opts) is not _RS_OPTIONS or not _ready(pg, opts) or not _plain(output) \
+            or not _plain(input) or output.dtype is not input.dtype \
+            or input.numel() != output.numel() * pg.group.world_size:
+        return None
+    op = _op_for(output.dtype, opts.reduceOp)
+    if op is None:
+        return None
+    return _run(pg, pg.group.reduce_scatter, output.numpy(), input.numpy(), op, None,
+                _timeout_s(pg, opts))
 
 
 def allreduce_inline(pg, tensors, opts):

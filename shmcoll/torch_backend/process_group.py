@@ -34,7 +34,8 @@ from ..ops import ReduceOp, dtype_of, reduce_spec
 from . import checks
 from . import sparse as _sparse
 from .convert import as_array, reduce_op, timeout_s, to_seconds
-from .fast import allreduce_inline
+from .fast import (all_gather_single_inline, allreduce_inline, broadcast_inline,
+                   reduce_scatter_single_inline)
 from .p2p import P2PMixin
 from .work import CompletedWork, Executor, Job, ShmWork, torch_error
 
@@ -445,6 +446,9 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
 
     def reduce_scatter_single(self, output, input, opts=None):
         """reduce_scatter_tensor: output = reduction of every rank's chunk `rank` of input."""
+        work = reduce_scatter_single_inline(self, output, input, opts)
+        if work is not None:
+            return work
         name = "reduce_scatter_tensor"
         opts = opts if isinstance(opts, dist.ReduceScatterOptions) else _rs_opts(opts)
         checks.dense_cpu(name, [output, input])
@@ -504,6 +508,10 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
     def broadcast(self, tensors, opts=None, timeout=None, root=None):
         """broadcast(tensors, opts) | broadcast(tensor, root, timeout=None). Every tensor of
         every rank receives root's tensor opts.rootTensor (gloo semantics)."""
+        if timeout is None and root is None:
+            work = broadcast_inline(self, tensors, opts)
+            if work is not None:
+                return work
         name = "broadcast"
         tensors = _tensor_list(tensors)
         if not isinstance(opts, dist.BroadcastOptions):
@@ -618,6 +626,9 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
 
     def all_gather_single(self, output, input, opts=None):
         """all_gather_into_tensor: output = concatenation of every rank's input."""
+        work = all_gather_single_inline(self, output, input, opts)
+        if work is not None:
+            return work
         name = "all_gather_into_tensor"
         opts = opts or _c10d.AllgatherOptions()
         checks.dense_cpu(name, [output, input])

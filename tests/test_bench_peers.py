@@ -1,0 +1,155 @@
+"""The reference peers of benchmarks/bench.py: single-core memcpy and Open MPI via mpi4py.
+
+Fast: the memcpy runs happen in this process, the MPI runs start one mpirun of 2 ranks each
+(about 4-8 s apiece on a 2-core machine). The MPI tests skip when mpirun or mpi4py is missing.
+"""
+
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import bench  # noqa: E402
+
+MPI_WHY = bench.mpi_unavailable()
+needs_mpi = pytest.mark.skipif(MPI_WHY is not None, reason=f"mpi4py peer unavailable: {MPI_WHY}")
+
+
+def _run(tmp_path, *argv):
+    """bench.main in this process; returns (exit status, rows, error records)."""
+    out = tmp_path / "bench.jsonl"
+    code = bench.main([*argv, "--out", str(out)])
+    records = bench.load_jsonl(out)
+    assert records[0]["record"] == "header"
+    rows = [r for r in records if r.get("record") == "row"]
+    errors = [r for r in records if r.get("record") == "error"]
+    return code, rows, errors
+
+
+# ---------------------------------------------------------------------------------------
+# memcpy
+# ---------------------------------------------------------------------------------------
+@pytest.mark.timeout(120)
+def test_memcpy_rows_verified_and_positive(tmp_path):
+    code, rows, errors = _run(tmp_path, "--backends", "memcpy", "--world-sizes", "2",
+                              "--ops", "all_reduce", "-b", "4K", "-e", "64K", "-f", "16",
+                              "-n", "5")
+    assert code == bench.EXIT_OK and not errors
+    assert [r["nbytes"] for r in rows] == [4096, 65536]
+    for r in rows:
+        assert set(bench.COLUMNS) <= set(r)
+        assert (r["backend"], r["op"], r["world_size"]) == ("memcpy", "memcpy", 1)
+        assert r["wrong"] == 0 and r["iters"] == 5
+        assert r["time_us"] > 0 and r["algbw_GBps"] > 0
+        assert r["busbw_GBps"] == pytest.approx(2 * r["algbw_GBps"])  # read + write
+        assert r["busbw_GBps"] == pytest.approx(2 * r["nbytes"] / (r["time_us"] * 1e3))
+
+
+@pytest.mark.timeout(120)
+def test_memcpy_inject_error_is_detected(tmp_path):
+    code, rows, _ = _run(tmp_path, "--backends", "memcpy", "--ops", "all_reduce",
+                         "-b", "8", "-e", "1K", "-f", "128", "-n", "3", "--inject-error")
+    assert code == bench.EXIT_WRONG
+    assert len(rows) == 2 and all(r["wrong"] > 0 for r in rows)
+
+
+def _row(backend, op, ws, nbytes, time_us, busbw, wrong=0):
+    return {"record": "row", "backend": backend, "op": op, "world_size": ws, "nbytes": nbytes,
+            "time_us": time_us, "busbw_GBps": busbw, "wrong": wrong}
+
+
+def _table_lines(text):
+    """{(op, world_size, nbytes): cells after nbytes} of a memcpy_table."""
+    return {tuple(l.split()[:3]): l.split()[3:] for l in text.splitlines()[3:]}
+
+
+def test_memcpy_table_ratio_and_target():
+    M16 = 16 << 20
+    rows = [
+        _row("memcpy", "memcpy", 1, 1 << 20, 50.0, 40.0),
+        _row("memcpy", "memcpy", 1, M16, 3000.0, 12.0),
+        _row("shm", "all_reduce", 2, M16, 5000.0, 3.0),      # 3/12 = 0.25 >= 1/6
+        _row("mpi4py", "all_reduce", 2, M16, 9000.0, 1.2),   # 0.1
+        _row("shm", "all_reduce", 2, 1 << 20, 100.0, 4.0),   # below 16M: no verdict
+        _row("shm", "broadcast", 2, M16, 5000.0, 1.0),       # other op: no verdict
+        _row("shm", "all_reduce", 4, 2 << 20, 100.0, 4.0),   # no memcpy row at 2M: nearest
+    ]
+    text = bench.memcpy_table(rows)
+    assert "busbw / memcpy read+write" in text
+    cells = _table_lines(text)
+    AR16 = ("all_reduce", "2", str(M16))
+    assert cells[AR16] == ["12.000", "0.250", "0.100", "ok"]
+    assert cells[("all_reduce", "2", str(1 << 20))] == ["40.000", "0.100", "-"]
+    assert cells[("broadcast", "2", str(M16))] == ["12.000", "0.083", "-"]
+    assert cells[("all_reduce", "4", str(2 << 20))] == ["40.000", "@1M", "~0.100", "-"]
+    rows[2]["busbw_GBps"] = 1.9  # 1.9/12 < 1/6
+    assert _table_lines(bench.memcpy_table(rows))[AR16][-1] == "BELOW"
+    rows[2]["wrong"] = 3
+    assert _table_lines(bench.memcpy_table(rows))[AR16] == ["12.000", "WRONG", "0.100", "WRONG"]
+    assert bench.memcpy_table([r for r in rows if r["backend"] != "memcpy"]) == ""
+
+
+def test_ratio_table_shm_vs_mpi4py_and_pairs():
+    rows = [_row("shm", "all_reduce", 2, 1024, 10.0, 2.0),
+            _row("mpi4py", "all_reduce", 2, 1024, 20.0, 1.0),
+            _row("memcpy", "memcpy", 1, 1024, 1.0, 9.0)]
+    text = bench.ratio_table(rows, "shm", "mpi4py")
+    assert "shm vs mpi4py" in text
+    assert text.splitlines()[-1].split()[-2:] == ["0.500", "2.000"]  # lat, busbw
+    assert bench.default_pairs(["memcpy", "shm", "gloo", "mpi4py"]) == [
+        ("shm", "gloo"), ("shm", "mpi4py")]
+    args = bench.resolve_args(["--backends", "shm,gloo,mpi4py,memcpy",
+                               "--compare", "shm,gloo", "--compare", "shm,mpi4py"])
+    assert args.pairs == [("shm", "gloo"), ("shm", "mpi4py")]
+
+
+# ---------------------------------------------------------------------------------------
+# mpi4py
+# ---------------------------------------------------------------------------------------
+@pytest.mark.timeout(120)
+def test_mpi_unavailable_is_reported_and_others_go_on(tmp_path):
+    code, rows, errors = _run(tmp_path, "--backends", "mpi4py,memcpy", "--world-sizes", "2",
+                              "--ops", "all_reduce", "-b", "8", "-e", "8", "-n", "3",
+                              "--mpirun", str(tmp_path / "no-such-mpirun"))
+    assert code == bench.EXIT_ERROR
+    assert [(e["backend"], e["kind"]) for e in errors] == [("mpi4py", "unavailable")]
+    assert "not found" in errors[0]["message"]
+    assert [r["backend"] for r in rows] == ["memcpy"] and rows[0]["wrong"] == 0
+
+
+@needs_mpi
+@pytest.mark.timeout(120)
+def test_mpi4py_rows_verified(tmp_path):
+    code, rows, errors = _run(tmp_path, "--backends", "mpi4py", "--world-sizes", "2",
+                              "--ops", "all_reduce,broadcast", "-b", "8", "-e", "64K",
+                              "-f", "64", "-n", "3")
+    assert not errors, json.dumps(errors, indent=1)
+    assert code == bench.EXIT_OK
+    got = [(r["op"], r["nbytes"]) for r in rows]
+    assert got == [(op, nb) for op in ("all_reduce", "broadcast") for nb in (8, 512, 32768)]
+    for r in rows:
+        assert set(bench.COLUMNS) <= set(r)
+        assert r["backend"] == "mpi4py" and r["world_size"] == 2 and r["wrong"] == 0
+        assert r["iters"] == 3 and r["time_us"] > 0 and len(r["rank_median_us"]) == 2
+        # busbw factor: all_reduce 2(n-1)/n = 1 at n = 2, broadcast 1
+        assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"])
+        assert r["algbw_GBps"] == pytest.approx(r["nbytes"] / (r["time_us"] * 1e3))
+
+
+@needs_mpi
+@pytest.mark.timeout(120)
+def test_mpi4py_corrupted_result_is_detected(tmp_path):
+    """--inject-error damages one output element after every MPI call (through the same
+    memory MPI wrote): every row must count it, and the exit status must say WRONG."""
+    code, rows, errors = _run(tmp_path, "--backends", "mpi4py", "--world-sizes", "2",
+                              "--ops", "all_reduce,reduce,all_gather,reduce_scatter",
+                              "-b", "8", "-e", "256", "-f", "32", "-n", "3", "--inject-error")
+    assert not errors, json.dumps(errors, indent=1)
+    assert code == bench.EXIT_WRONG
+    assert [r["op"] for r in rows] == ["all_reduce", "all_reduce", "reduce", "reduce",
+                                       "all_gather", "all_gather", "reduce_scatter",
+                                       "reduce_scatter"]
+    assert all(r["wrong"] > 0 for r in rows)
