@@ -60,6 +60,12 @@ PRESETS = {
     "quick": dict(ops="all_reduce", world_sizes="2",
                   sizes=[8, 64 << 10, 1 << 20, 16 << 20], iters=20, warmup=5),
     "latency": dict(sizes=[8, 1 << 10, 64 << 10], iters=500, warmup=50),
+    # The README's report: latency at 8 B / 1 KiB / 64 KiB, busbw at 1 / 16 / 256 MiB, four
+    # collectives, 2 / 4 / 8 ranks, every peer in the same run.
+    "report": dict(backends="shm,gloo,mpi4py,memcpy", world_sizes="2,4,8",
+                   ops="all_reduce,broadcast,all_gather,reduce_scatter",
+                   sizes=[8, 1 << 10, 64 << 10, 1 << 20, 16 << 20, 256 << 20],
+                   iters=50, warmup=5),
 }
 DEFAULTS = dict(backends="shm,gloo", world_sizes="2,4", ops=DEFAULT_OPS, minbytes="8",
                 maxbytes="64M", stepfactor=4, iters=20, warmup=5, dtype="float32")
@@ -1132,6 +1138,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--quick", action="store_true",
       help="preset: all_reduce, world size 2, sizes 8,64K,1M,16M, then a ratio table")
     a("--latency", action="store_true", help="preset: sizes 8,1K,64K, -n 500 -w 50")
+    a("--report", action="store_true",
+      help="preset: the README report (shm,gloo,mpi4py,memcpy; 4 ops; 2,4,8 ranks; 8,1K,64K,"
+           "1M,16M,256M)")
+    a("--sizes", help="comma list of sizes (suffixes K/M/G), instead of -b/-e/-f")
     a("--compare", action="append",
       help="A,B: print the A-vs-B ratio table; repeat for several tables, e.g. "
            "--compare shm,gloo --compare shm,mpi4py (default: the first backend against "
@@ -1161,16 +1171,19 @@ def build_parser() -> argparse.ArgumentParser:
 def resolve_args(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.quick and args.latency:
-        parser.error("--quick and --latency are exclusive")
-    preset = PRESETS["quick"] if args.quick else PRESETS["latency"] if args.latency else {}
+    if args.quick + args.latency + args.report > 1:
+        parser.error("--quick, --latency and --report are exclusive")
+    preset = PRESETS["quick"] if args.quick else PRESETS["latency"] if args.latency else \
+        PRESETS["report"] if args.report else {}
     explicit_sizes = any(getattr(args, k) is not None
-                         for k in ("minbytes", "maxbytes", "stepfactor"))
+                         for k in ("minbytes", "maxbytes", "stepfactor", "sizes"))
     for key, default in DEFAULTS.items():
         if getattr(args, key) is None:
             setattr(args, key, preset.get(key, default))
     try:
-        if "sizes" in preset and not explicit_sizes:
+        if args.sizes is not None:
+            args.sizes = [parse_size(x) for x in _csv(args.sizes)]
+        elif "sizes" in preset and not explicit_sizes:
             args.sizes = list(preset["sizes"])
         else:
             args.sizes = size_range(parse_size(args.minbytes), parse_size(args.maxbytes),
