@@ -75,8 +75,8 @@ import time
 import numba
 import numpy as np
 
-from .atomics import copy_bytes, load_acquire, read_acquire, store_release, wait_all_ge, \
-    write_release
+from .atomics import copy_bytes, cpu_pause, load_acquire, read_acquire, sched_yield, \
+    store_release, wait_all_ge, write_release
 from .kernels import reduce_any
 from .errors import (
     CollectiveMismatchError,
@@ -132,6 +132,10 @@ SLOW_YIELDS = 8
 # late (GC, a page fault, a descheduled core) is then seen at once, while sched_yield still
 # hands the core to whoever needs it when ranks outnumber cores.
 YIELD_PHASE_S = 2e-3
+# Rank threads only (Arena gil_words): sched_yield polls, after the spin tier, that a rank
+# whose wait completed keeps waiting for peer threads to leave Python (see _gil_leave).
+GIL_LEAVE_YIELDS = 32
+GIL_LEAVE_SPINS = 2000  # pause polls (~50-100 us): a peer's Python between two collectives
 SLEEP_MIN_S = 20e-6
 SLEEP_MAX_S = 1e-3
 
@@ -233,12 +237,14 @@ class Arena:
 
     `regions[r]` is rank r's region as a uint8 array (all mapped in this address space).
     `is_alive(peer)` reports whether the peer's process/thread still runs; `describe(fp)`
-    renders a fingerprint tuple for error messages. Not thread-safe: the owning group runs
-    one collective at a time.
+    renders a fingerprint tuple for error messages. `gil_words` (rank threads of one
+    process only) = (address of this thread's "in compiled code" word, int64 array of the
+    other rank threads' words): see _gil_leave. Not thread-safe: the owning group runs one
+    collective at a time.
     """
 
     def __init__(self, regions, rank, layout, is_alive, describe=None, oversubscribed=False,
-                 pids=None):
+                 pids=None, gil_words=None):
         self.rank = rank
         self.world_size = len(regions)
         self.layout = layout
@@ -278,6 +284,10 @@ class Arena:
         self._free_at = [0] * layout.nslots
         self._next_slot = 0
         self._spins = 0 if oversubscribed else SPINS
+        # Ranks that are threads of one process: (address of this thread's "in compiled code"
+        # word, int64 addresses of the other rank threads' words); see _gil_leave.
+        self._gil_addr, self._gil_peers = gil_words if gil_words is not None else \
+            (0, np.zeros(0, np.int64))
         # Rule 4 is always on; False only lets a benchmark measure what the check costs.
         self.verify = True
         # per-collective state
@@ -381,7 +391,8 @@ class Arena:
                              fp[0], fp[1], fp[2], fp[3], fp[4], fp[5], fp[6], fp[7],
                              self._seq_addr, self._seq, self._posted_addr, step,
                              self._peer_posted, peer_fp, self._peer_state, self._spins,
-                             YIELDS, self._state_addr, self.verify)
+                             YIELDS, self._state_addr, self.verify, self._gil_addr,
+                             self._gil_peers)
         self._fp_unwritten = False
         self._step = step
         self._finish_wait(step, r, fp_addr != 0)
@@ -410,7 +421,7 @@ class Arena:
                 fp[0], fp[1], fp[2], fp[3], fp[4], fp[5], fp[6], fp[7],
                 self._seq_addr, self._seq, self._posted_addr, step0, self._peer_posted, peer_fp,
                 self._peer_state, self._spins, YIELDS, self._state_addr, self.verify, srcs,
-                self.rank, spec.op, spec.pre, spec.post, bf16)
+                self.rank, spec.op, spec.pre, spec.post, bf16, self._gil_addr, self._gil_peers)
             self._fp_unwritten = False
             if r == -1:  # every sub-chunk exchanged and reduced
                 self._step = self._known_min = step0 + nsub
@@ -607,9 +618,9 @@ def warm_up(storage=_STORAGE):
         a = np.zeros(1, dt)
         fp = (0, 0, 0, 0, 0, 0, 0, 0)
         _exchange_kernel(a, 0, 0, 0, 0, *fp, w, 0, w + 8, 0, none, none, none, 0, 0, w + 16,
-                         True)
+                         True, 0, none)
         _stream_reduce_kernel(a, 0, 0, 64, 0, 0, 0, *fp, w, 0, w + 8, 0, none, none, none, 0,
-                              0, w + 16, True, srcs, 0, 0, 1.0, 1.0, False)
+                              0, w + 16, True, srcs, 0, 0, 1.0, 1.0, False, 0, none)
         _reduce_chunk(a, 0, 0, srcs, 0, 0, 1.0, 1.0, False)
 
 
@@ -621,8 +632,59 @@ _NO_BYTES = np.zeros(0, np.uint8)
 @numba.njit(nogil=True, cache=True)
 def _exchange_kernel(src, byte_offset, nbytes, dst, fp_addr, f0, f1, f2, f3, f4, f5, f6, f7,
                      seq_addr, seq, posted_addr, step, peer_posted, peer_fp, peer_state,
-                     spins, yields, abort_addr, verify):
-    """Arena.exchange's compiled body: copy-in, rules 1-4, nothing else.
+                     spins, yields, abort_addr, verify, gil_addr, gil_peers):
+    """Arena.exchange's compiled body: _exchange_steps between _gil_enter / _gil_leave."""
+    _gil_enter(gil_addr)
+    r = _exchange_steps(src, byte_offset, nbytes, dst, fp_addr, f0, f1, f2, f3, f4, f5, f6, f7,
+                        seq_addr, seq, posted_addr, step, peer_posted, peer_fp, peer_state,
+                        spins, yields, abort_addr, verify)
+    _gil_leave(gil_addr, gil_peers, r, spins)
+    return r
+
+
+@numba.njit(nogil=True, cache=True)
+def _gil_enter(gil_addr):
+    """Rank threads (threaded_pg) only: say "this thread does not want the GIL now"."""
+    if gil_addr != 0:
+        store_release(gil_addr, 1)
+
+
+@numba.njit(nogil=True, cache=True)
+def _gil_leave(gil_addr, gil_peers, r, spins):
+    """Rank threads only, before returning to Python (which takes the GIL back).
+
+    Ranks that are threads of one process run their Python one at a time under the GIL. A
+    rank whose wait completed while a peer thread still runs Python would only block on
+    the GIL until that peer enters its own wait, and then need a futex wake-up (~20 us on a
+    VM, per rank per collective). Spinning here a little longer, until every peer thread is
+    back in compiled code (its word 1), takes the GIL uncontended instead. Bounded: a peer
+    busy with long Python (or blocked elsewhere) only costs the spin budget.
+    """
+    if gil_addr == 0:
+        return
+    if r == -1:
+        n = gil_peers.shape[0]
+        pauses = GIL_LEAVE_SPINS if spins else 0
+        for it in range(pauses + GIL_LEAVE_YIELDS):
+            busy = False
+            for k in range(n):
+                if load_acquire(gil_peers[k]) == 0:
+                    busy = True
+                    break
+            if not busy:
+                break
+            if it < pauses:
+                cpu_pause()
+            else:
+                sched_yield()
+    store_release(gil_addr, 0)
+
+
+@numba.njit(nogil=True, cache=True)
+def _exchange_steps(src, byte_offset, nbytes, dst, fp_addr, f0, f1, f2, f3, f4, f5, f6, f7,
+                    seq_addr, seq, posted_addr, step, peer_posted, peer_fp, peer_state,
+                    spins, yields, abort_addr, verify):
+    """Copy-in and rules 1-4, nothing else.
 
     Returns -1 when every peer posted `step` (and, with fp_addr != 0 and `verify`, every
     fingerprint matched and no peer is ABORTED); -3 on a fingerprint mismatch, -4 on an aborted peer;
@@ -661,22 +723,25 @@ def _exchange_kernel(src, byte_offset, nbytes, dst, fp_addr, f0, f1, f2, f3, f4,
 def _stream_reduce_kernel(src, byte_offset, nbytes, sub, k0, dst, fp_addr, f0, f1, f2, f3, f4,
                           f5, f6, f7, seq_addr, seq, posted_addr, step0, peer_posted, peer_fp,
                           peer_state, spins, yields, abort_addr, verify, srcs, rank, op, pre,
-                          post, bf16):
+                          post, bf16, gil_addr, gil_peers):
     """Arena.exchange_reduce's body from sub-chunk k0 on: for each sub-chunk k, the
     _exchange_kernel steps (posting step0 + k + 1; the fingerprint with sub-chunk 0), then
     its reduction. Returns (k, code): (count, -1) when all are done, else the sub-chunk
     whose wait did not complete cleanly (posted, not reduced) and the wait code."""
     nsub = max(1, (nbytes + sub - 1) // sub)
+    _gil_enter(gil_addr)
     for k in range(k0, nsub):
         off = k * sub
         m = min(sub, nbytes - off)
-        r = _exchange_kernel(src, byte_offset + off, m, dst + off, fp_addr if k == 0 else 0,
-                             f0, f1, f2, f3, f4, f5, f6, f7, seq_addr, seq, posted_addr,
-                             step0 + k + 1, peer_posted, peer_fp, peer_state, spins, yields,
-                             abort_addr, verify)
+        r = _exchange_steps(src, byte_offset + off, m, dst + off, fp_addr if k == 0 else 0,
+                            f0, f1, f2, f3, f4, f5, f6, f7, seq_addr, seq, posted_addr,
+                            step0 + k + 1, peer_posted, peer_fp, peer_state, spins, yields,
+                            abort_addr, verify)
         if r != -1:
+            _gil_leave(gil_addr, gil_peers, r, spins)
             return k, r
         _reduce_chunk(src, byte_offset + off, m, srcs + off, rank, op, pre, post, bf16)
+    _gil_leave(gil_addr, gil_peers, -1, spins)
     return nsub, -1
 
 

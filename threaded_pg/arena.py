@@ -22,7 +22,7 @@ import threading
 import numpy as np
 
 from shmcoll.group import describe_fingerprint, is_oversubscribed
-from shmcoll.protocol import Arena, write_header
+from shmcoll.protocol import LINE_NBYTES, Arena, write_header
 
 __all__ = ["ThreadRegions", "RankStates", "new_thread_arena", "thread_liveness", "is_spin_off",
            "REGION_ALIGN_NBYTES"]
@@ -64,6 +64,21 @@ class RankStates:
         self._finished = [False] * world_size
         self._failed = [False] * world_size
         self.failure = threading.Event()
+        # One word per rank thread, on its own 128-byte line: 1 while the thread is inside a
+        # compiled collective (not wanting the GIL), 0 while it runs Python (protocol
+        # _gil_leave). A finished or failed thread never competes again: 1.
+        self._gil = _aligned_zeros(world_size * LINE_NBYTES).view(np.int64)
+
+    def gil_words(self, global_rank):
+        """(this rank thread's word address, int64 addresses of every other rank thread's
+        word) for protocol.Arena(gil_words=...)."""
+        base, stride = self._gil.ctypes.data, LINE_NBYTES
+        others = np.array([base + g * stride for g in range(self.world_size)
+                           if g != global_rank], np.int64)
+        return base + global_rank * stride, others
+
+    def _leave_gil_race(self, global_rank):
+        self._gil[global_rank * (LINE_NBYTES // 8)] = 1
 
     def is_alive(self, global_rank):
         """True until the rank's thread finished or failed (also before it started)."""
@@ -71,10 +86,12 @@ class RankStates:
 
     def mark_failed(self, global_rank):
         self._failed[global_rank] = True
+        self._leave_gil_race(global_rank)
         self.failure.set()
 
     def mark_finished(self, global_rank):
         self._finished[global_rank] = True
+        self._leave_gil_race(global_rank)
 
     def failed_ranks(self):
         return [r for r, failed in enumerate(self._failed) if failed]
@@ -97,4 +114,5 @@ def new_thread_arena(regions, rank, states, global_ranks, spin="auto"):
     """protocol.Arena for group rank `rank` over `regions`; peer p is spawn rank
     global_ranks[p] in `states`. spin: SHMCOLL_SPIN ("auto", "spin" or "yield")."""
     return Arena(regions.regions, rank, regions.layout, thread_liveness(states, global_ranks),
-                 describe_fingerprint, oversubscribed=is_spin_off(spin, regions.world_size))
+                 describe_fingerprint, oversubscribed=is_spin_off(spin, regions.world_size),
+                 gil_words=states.gil_words(global_ranks[rank]))
