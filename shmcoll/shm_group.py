@@ -7,7 +7,6 @@ from .group import Group, describe_fingerprint, is_oversubscribed
 from .p2p import P2PEngine
 from .protocol import Arena, RegionLayout
 from .shm import PidLiveness, ShmRegions
-from .warmup import wait_ready, warm_up_async
 
 __all__ = ["new_shm_group"]
 
@@ -17,6 +16,9 @@ def new_shm_group(store, rank, world_size, timeout_s=1800.0, cfg=None, name=""):
     return a ready Group. Every rank of the group must call this with the same arguments."""
     if not 0 <= rank < world_size:
         raise ValueError(f"new_shm_group: rank {rank} is outside world size {world_size}")
+    # Imported here, not at module level: `python -m shmcoll.warmup` imports the package
+    # first, and a module already imported by it would run twice (runpy warns).
+    from .warmup import wait_ready, warm_up_async
     cfg = cfg or _config.from_env()
     warm_up_async()  # load kernels from numba's cache while the rendezvous waits on peers
     if world_size == 1:  # no shared memory; a private region carries self-sends
