@@ -58,7 +58,7 @@ _TORCH_BACKENDS = {"gloo", "nccl", "mpi", "ucc", "xccl", "fake", "threaded"}
 
 PRESETS = {
     "quick": dict(ops="all_reduce", world_sizes="2",
-                  sizes=[8, 64 << 10, 1 << 20, 16 << 20], iters=20, warmup=5),
+                  sizes=[8, 64 << 10, 1 << 20, 16 << 20], iters=200, warmup=20),
     "latency": dict(sizes=[8, 1 << 10, 64 << 10], iters=500, warmup=50),
     # The README's report: latency at 8 B / 1 KiB / 64 KiB, busbw at 1 / 16 / 256 MiB, four
     # collectives, 2 / 4 / 8 ranks, every peer in the same run.
