@@ -38,6 +38,8 @@ import time
 import traceback
 from pathlib import Path
 
+from benchmarks.bench import _stop  # terminate, then kill, stragglers (one implementation)
+
 __all__ = ["MODELS", "run_benchmark", "format_table", "main"]
 
 MODELS = {
@@ -237,22 +239,6 @@ def _shm_entries() -> set:
         return set()
 
 
-def _stop(procs, grace=2.0) -> list:
-    """Terminate, then kill, every live process; join all. Returns the ones that were alive."""
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.terminate()
-    end = time.monotonic() + grace
-    for p in alive:
-        p.join(max(0.0, end - time.monotonic()))
-    for p in alive:
-        if p.is_alive():
-            p.kill()
-    for p in procs:
-        p.join(5)
-    return alive
-
-
 def _unlink_segments_of(pids) -> list:
     """Unlink shmcoll segments ('shmcoll-<uid>-<token>-<rank>-<pid>') owned by killed ranks."""
     removed = []
@@ -323,6 +309,8 @@ def run_one(model: str, world_size: int, backend, steps: int, warmup: int, seed:
             time.sleep(0.05)
     finally:
         alive = _stop(procs)
+        for p in procs:
+            p.join(5)
         killed = [procs.index(p) for p in alive]
         if alive:
             removed = _unlink_segments_of({p.pid for p in alive})
