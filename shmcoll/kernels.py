@@ -384,14 +384,8 @@ def reduce_into(out, srcs, op, kind, pre=1.0, post=1.0):
         raise ValueError(f"op {op} is not supported for kind {kind!r}")
     if kind in ("int", "bool") and (pre != 1.0 or post != 1.0):
         raise ValueError(f"pre/post scaling is not supported for kind {kind!r}")
-    if out.size == 0:
-        return
-    srcs = np.ascontiguousarray(srcs)
-    if kind in ("float16", "bfloat16"):
-        _reduce_16(out, srcs, op, np.float32(pre), np.float32(post), kind == "bfloat16")
-    else:
-        t = out.dtype.type  # scale in the tensor's own precision, as torch does
-        _reduce_same(out, srcs, op, t(pre), t(post))
+    reduce_any(out, np.ascontiguousarray(srcs), op, float(pre), float(post),
+               kind == "bfloat16")
 
 
 def reduce_unchecked(out, srcs, op, kind, pre=1.0, post=1.0):

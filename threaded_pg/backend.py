@@ -60,23 +60,14 @@ class RankThreadExecutor(Executor):
                 return job
         return super().submit(job)  # shut down: raises; parked worker: queue and wake it
 
-    def _loop(self):
-        while True:
-            with self._cv:
-                while not self._queue and not self._stopped:
-                    self._parked = time.monotonic() - self._last_submit > self.IDLE_S
-                    self._cv.wait(None if self._parked else self.POLL_S)
-                self._parked = False
-                if self._stopped:
-                    return
-            if self._running.acquire(blocking=False):
-                try:
-                    self._run_until(None)
-                finally:
-                    self._running.release()
-            else:
-                with self._cv:
-                    self._cv.wait(self.POLL_S)
+    _BUSY_RETRY_S = POLL_S
+
+    def _idle_wait(self):
+        self._parked = time.monotonic() - self._last_submit > self.IDLE_S
+        self._cv.wait(None if self._parked else self.POLL_S)
+
+    def _woken(self):
+        self._parked = False
 
 
 class ThreadedProcessGroup(EngineProcessGroup):

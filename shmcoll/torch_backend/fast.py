@@ -53,7 +53,9 @@ def _plain(t):
 
 
 def _ready(pg, opts):
-    """Synchronous, not coalescing, group healthy: the inline path may run."""
+    """Synchronous, not coalescing, group healthy: the inline path may run (a poisoned
+    group takes the general path, which words the "aborted after an earlier failure"
+    error)."""
     return not opts.asyncOp and pg._coalescing is None and pg.group.poisoned is None
 
 
@@ -115,32 +117,15 @@ def reduce_scatter_single_inline(pg, output, input, opts):
 
 
 def allreduce_inline(pg, tensors, opts):
-    """Run pg.allreduce(tensors, opts) here and return the completed Work, or None when the
-    call is not the plain synchronous single-tensor case (the caller then takes the
-    general path)."""
-    if type(opts) is not _OPTIONS or opts.asyncOp or type(tensors) is not list \
-            or len(tensors) != 1 or pg._coalescing is not None:
+    """pg.allreduce([t], opts) of dist.all_reduce(t): run here and return the completed
+    Work, or None (the caller then takes the general path)."""
+    if type(opts) is not _OPTIONS or type(tensors) is not list or len(tensors) != 1 \
+            or not _ready(pg, opts):
         return None
     t = tensors[0]
-    if type(t) is not torch.Tensor or t.layout is not _STRIDED or not t.is_cpu \
-            or t.requires_grad or not t.is_contiguous():
+    if not _plain(t):
         return None
-    ops = _FAST_DTYPES.get(t.dtype)
-    if ops is None:
+    op = _op_for(t.dtype, opts.reduceOp)
+    if op is None:
         return None
-    want = opts.reduceOp
-    for theirs, op in ops:
-        if want == theirs:
-            break
-    else:
-        return None
-    group = pg.group
-    if group.poisoned is not None:
-        return None  # the general path words the "aborted after an earlier failure" error
-    timeout = opts.timeout
-    t_s = timeout.total_seconds() if timeout >= _ZERO else group.timeout_s
-    array = t.numpy()
-    with pg._lock:
-        pg._seq += 1
-    pg._executor.run_inline(group.all_reduce, array, op, None, t_s)
-    return pg._completed_work
+    return _run(pg, pg.group.all_reduce, t.numpy(), op, None, _timeout_s(pg, opts))

@@ -92,7 +92,8 @@ class Executor:
     latency for synchronous calls). `_running` makes sure only one thread runs jobs.
     """
 
-    _RETRY_S = 1e-3  # worker re-checks the queue this often while another thread runs jobs
+    _RETRY_S = 1e-3  # a waiter re-checks its job this often while another thread runs jobs
+    _BUSY_RETRY_S = _RETRY_S  # the worker re-checks the queue this often meanwhile
 
     def __init__(self, name, on_abort=None):
         self._cv = threading.Condition()
@@ -154,7 +155,8 @@ class Executor:
         while True:
             with self._cv:
                 while not self._queue and not self._stopped:
-                    self._cv.wait()
+                    self._idle_wait()
+                self._woken()
                 if self._stopped:
                     return
             if self._running.acquire(blocking=False):
@@ -164,7 +166,14 @@ class Executor:
                     self._running.release()
             else:
                 with self._cv:
-                    self._cv.wait(self._RETRY_S)
+                    self._cv.wait(self._BUSY_RETRY_S)
+
+    def _idle_wait(self):
+        """Wait (holding _cv) for a submission or stop; subclasses may poll instead."""
+        self._cv.wait()
+
+    def _woken(self):
+        """Called (holding _cv) once the worker has work or must stop."""
 
     def wait(self, job, timeout_s=None):
         """Block until `job` is done (running it here if nobody else is); True if done."""
