@@ -10,6 +10,7 @@ function serves every segment, every rank count and the in-process arena alike.
 """
 
 import platform
+import time
 
 import numba
 from llvmlite import ir
@@ -24,7 +25,9 @@ __all__ = [
     "wait_all_ge",
     "wait_any_ge",
     "add_release",
+    "cas_acq_rel",
     "sched_yield",
+    "monotonic_ns",
     "copy_bytes",
     "read_acquire",
     "write_release",
@@ -78,6 +81,20 @@ def add_release(typingctx, addr, value):
 
 
 @intrinsic
+def cas_acq_rel(typingctx, addr, expected, value):
+    """Atomic compare-and-swap (acq_rel): if the int64 at `addr` equals `expected`, store
+    `value`; returns True when it did."""
+    sig = types.boolean(types.int64, types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        pair = builder.cmpxchg(_i64_ptr(builder, args[0]), args[1], args[2], "acq_rel",
+                               "acquire")
+        return builder.extract_value(pair, 1)
+
+    return sig, codegen
+
+
+@intrinsic
 def cpu_pause(typingctx):
     """Spin-wait hint: x86 `pause`, aarch64 `yield`; tells the core we are spinning."""
     sig = types.void()
@@ -111,6 +128,27 @@ def sched_yield(typingctx):
 
 
 @intrinsic
+def monotonic_ns(typingctx):
+    """clock_gettime(CLOCK_MONOTONIC) in nanoseconds (a vDSO call, ~20-50 ns): lets the
+    compiled waits bound their yield tier by time rather than by a count of sched_yield
+    calls, whose cost ranges from under 1 us (idle core) to a whole time slice (loaded)."""
+    sig = types.int64()
+
+    def codegen(context, builder, signature, args):
+        i64 = ir.IntType(64)
+        timespec = ir.LiteralStructType([i64, i64])  # {tv_sec, tv_nsec}: Linux LP64 layout
+        ts = cgutils.alloca_once(builder, timespec)
+        fnty = ir.FunctionType(ir.IntType(32), [ir.IntType(32), timespec.as_pointer()])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "clock_gettime")
+        builder.call(fn, [ir.Constant(ir.IntType(32), time.CLOCK_MONOTONIC), ts])
+        sec = builder.load(cgutils.gep_inbounds(builder, ts, 0, 0))
+        nsec = builder.load(cgutils.gep_inbounds(builder, ts, 0, 1))
+        return builder.add(builder.mul(sec, ir.Constant(i64, 1_000_000_000)), nsec)
+
+    return sig, codegen
+
+
+@intrinsic
 def copy_bytes(typingctx, dst, src, nbytes):
     """memcpy(dst, src, nbytes) on raw addresses (llvm.memcpy; numba's own slice copy
     is a byte loop ~10x slower). The ranges must not overlap."""
@@ -127,59 +165,69 @@ def copy_bytes(typingctx, dst, src, nbytes):
 
 
 @numba.njit(nogil=True, cache=True)
-def wait_all_ge(addrs, target, spins, yields, abort_addr):
+def wait_all_ge(addrs, target, spins, yield_ns, abort_addr):
     """Wait until every word at `addrs` is >= target, or give up.
 
-    Tier 1: up to `spins` polls with a pause hint; tier 2: up to `yields` polls each
-    followed by sched_yield (the right thing when ranks outnumber cores). Returns -1 when
-    all words reached `target`, -2 when the abort word at `abort_addr` became non-zero,
-    else the index of the first word still below `target` (the caller then checks its
-    deadline and peer liveness and calls again, possibly sleeping in between).
+    Tier 1: up to `spins` polls with a pause hint; tier 2: polls each followed by
+    sched_yield (the right thing when ranks outnumber cores) for up to `yield_ns`
+    nanoseconds. Returns -1 when all words reached `target`, -2 when the abort word at
+    `abort_addr` became non-zero, else the index of the first word still below `target`
+    (the caller then checks its deadline and peer liveness and calls again, possibly
+    sleeping in between). spins = yield_ns = 0: one pass, no waiting.
     """
     n = addrs.shape[0]
     k = 0
-    budget = spins + yields
     used = 0
+    until = 0
     while k < n:
         if load_acquire(addrs[k]) >= target:
             k += 1
             continue
-        if used >= budget:
-            return k
         if load_acquire(abort_addr) != 0:
             return -2
         if used < spins:
             cpu_pause()
-        else:
-            sched_yield()
-        used += 1
+            used += 1
+            continue
+        now = monotonic_ns()
+        if used == spins:  # entering the yield tier: start its clock
+            until = now + yield_ns
+            used += 1
+        if now >= until:
+            return k
+        sched_yield()
     return -1
 
 
 @numba.njit(nogil=True, cache=True)
-def wait_any_ge(addrs, targets, spins, yields, abort_addr):
+def wait_any_ge(addrs, targets, spins, yield_ns, abort_addr):
     """Wait until some word `addrs[k]` is >= `targets[k]`, or give up.
 
     The p2p progress wait (p2p.py): one word per thing that could make progress. Same
-    tiers as wait_all_ge (`spins` pause-polls, then `yields` sched_yield polls); one full
-    pass always runs, so spins = yields = 0 is a non-blocking check. Returns the first
-    such k, -2 when the word at `abort_addr` became non-zero, else -1.
+    tiers as wait_all_ge (`spins` pause-polls, then sched_yield polls for up to `yield_ns`
+    ns); one full pass always runs, so spins = yield_ns = 0 is a non-blocking check.
+    Returns the first such k, -2 when the word at `abort_addr` became non-zero, else -1.
     """
     n = addrs.shape[0]
     used = 0
+    until = 0
     while True:
         for k in range(n):
             if load_acquire(addrs[k]) >= targets[k]:
                 return k
         if load_acquire(abort_addr) != 0:
             return -2
-        if used >= spins + yields:
-            return -1
         if used < spins:
             cpu_pause()
-        else:
-            sched_yield()
-        used += 1
+            used += 1
+            continue
+        now = monotonic_ns()
+        if used == spins:
+            until = now + yield_ns
+            used += 1
+        if now >= until:
+            return -1
+        sched_yield()
 
 
 @numba.njit(nogil=True, cache=True)

@@ -61,7 +61,7 @@ from .atomics import (copy_bytes, load_acquire, read_acquire, store_release, wai
 from .errors import (CollectiveMismatchError, CollectiveTimeoutError, GroupAbortedError,
                      PeerLostError, ShmcollError)
 from .protocol import (LINE_NBYTES, SLEEP_MAX_S, SLEEP_MIN_S, SPINS, STATE_ABORTED,
-                       STATE_CLOSED, STATE_LIVE, W_STATE, YIELDS)
+                       STATE_CLOSED, STATE_LIVE, W_STATE, YIELD_NS)
 
 __all__ = ["P2PEngine", "Request", "ANY_SOURCE"]
 
@@ -498,7 +498,7 @@ class P2PEngine:
         """
         first = pending and sleep_s == SLEEP_MIN_S
         my_state = self._state[self.rank]
-        r = wait_any_ge(addrs, targets, self._spins if first else 0, YIELDS if first else 0,
+        r = wait_any_ge(addrs, targets, self._spins if first else 0, YIELD_NS if first else 0,
                         my_state)
         while r == -1 and not self._stopping:
             if self._wake.wait(sleep_s):

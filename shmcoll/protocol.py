@@ -75,8 +75,8 @@ import time
 import numba
 import numpy as np
 
-from .atomics import copy_bytes, cpu_pause, load_acquire, read_acquire, sched_yield, \
-    store_release, wait_all_ge, write_release
+from .atomics import cas_acq_rel, copy_bytes, cpu_pause, load_acquire, monotonic_ns, \
+    read_acquire, sched_yield, store_release, wait_all_ge, write_release
 from .kernels import reduce_any
 from .errors import (
     CollectiveMismatchError,
@@ -117,25 +117,26 @@ _H_PID, _H_NBYTES, _H_SLOT, _H_NSLOTS = 48, 56, 64, 72
 _H_P2P_CELLS, _H_P2P_CELL = 80, 88
 _H_WORDS_END = 96
 
-# Wait tiers (see DESIGN_NOTES §14). SPINS: pause-polls before yielding (~10 us): brief,
-# because on a VM a long PAUSE loop can trigger pause-loop exits that deschedule the vCPU,
-# and on a loaded host a spinning rank steals the core its late peer needs;
-# YIELDS: sched_yield polls per kernel call; then Python sleeps with backoff up to
-# SLEEP_MAX_S, checking deadline, abort words and peer liveness between calls.
+# Wait tiers (see DESIGN_NOTES §14), all inside the compiled wait (atomics.wait_all_ge):
+# SPINS pause-polls (~10 us): brief, because on a VM a long PAUSE loop can trigger
+# pause-loop exits that deschedule the vCPU, and on a loaded host a spinning rank steals the
+# core its late peer needs; then sched_yield polls for YIELD_NS, so a peer a few hundred us
+# late (GC, a page fault, a descheduled core, a peer thread's Python) is seen at once while
+# the core still goes to whoever needs it when ranks outnumber cores. The yield tier is
+# bounded by time, not by a count: sched_yield takes from under 1 us (idle core) to a whole
+# time slice (loaded host). Only then does Python take over (_wait_slow): sleeps with
+# backoff up to SLEEP_MAX_S, checking deadline, abort and peer liveness in between, each
+# sleep followed by SLOW_YIELD_NS of yield-polling. Staying compiled for the whole yield
+# tier matters most for rank threads (threaded_pg): a waiting thread back in Python takes
+# the GIL from the very peer it waits for (measured: one Python slow wait per collective
+# made 2-thread dist.all_reduce ~5x slower).
 SPINS = 200
-YIELDS = 200
-# Yield polls between sleeps once a wait is slow. Few: on a loaded host every sched_yield
-# can hand the core away for a whole time slice, and 200 of them would delay the deadline,
-# abort and liveness checks (SIGKILLed peers) by up to a second.
-SLOW_YIELDS = 8
-# Keep yield-polling (no timer sleeps) this long into a slow wait: a peer a few hundred us
-# late (GC, a page fault, a descheduled core) is then seen at once, while sched_yield still
-# hands the core to whoever needs it when ranks outnumber cores.
-YIELD_PHASE_S = 2e-3
-# Rank threads only (Arena gil_words): sched_yield polls, after the spin tier, that a rank
-# whose wait completed keeps waiting for peer threads to leave Python (see _gil_leave).
-GIL_LEAVE_YIELDS = 32
-GIL_LEAVE_SPINS = 2000  # pause polls (~50-100 us): a peer's Python between two collectives
+YIELD_NS = 2_000_000
+SLOW_YIELD_NS = 100_000
+# Rank threads only (Arena gil_turn): how long a rank whose wait completed waits (pause
+# polls, or yields when oversubscribed) for the Python turn before taking the GIL anyway;
+# see _gil_leave. Covers a peer's Python between two collectives (~10-30 us via dist.*).
+GIL_LEAVE_NS = 200_000
 SLEEP_MIN_S = 20e-6
 SLEEP_MAX_S = 1e-3
 
@@ -237,14 +238,14 @@ class Arena:
 
     `regions[r]` is rank r's region as a uint8 array (all mapped in this address space).
     `is_alive(peer)` reports whether the peer's process/thread still runs; `describe(fp)`
-    renders a fingerprint tuple for error messages. `gil_words` (rank threads of one
-    process only) = (address of this thread's "in compiled code" word, int64 array of the
-    other rank threads' words): see _gil_leave. Not thread-safe: the owning group runs one
+    renders a fingerprint tuple for error messages. `gil_turn` (rank threads of one
+    process only) = (address of their shared "Python turn" word, this thread's non-zero id
+    in it): see _gil_leave. Not thread-safe: the owning group runs one
     collective at a time.
     """
 
     def __init__(self, regions, rank, layout, is_alive, describe=None, oversubscribed=False,
-                 pids=None, gil_words=None):
+                 pids=None, gil_turn=None):
         self.rank = rank
         self.world_size = len(regions)
         self.layout = layout
@@ -284,10 +285,9 @@ class Arena:
         self._free_at = [0] * layout.nslots
         self._next_slot = 0
         self._spins = 0 if oversubscribed else SPINS
-        # Ranks that are threads of one process: (address of this thread's "in compiled code"
-        # word, int64 addresses of the other rank threads' words); see _gil_leave.
-        self._gil_addr, self._gil_peers = gil_words if gil_words is not None else \
-            (0, np.zeros(0, np.int64))
+        # Ranks that are threads of one process: (address of their "Python turn" word, my
+        # id in it); see _gil_leave. (0, 0): no turn-taking (ranks that are processes).
+        self._gil_addr, self._gil_me = gil_turn if gil_turn is not None else (0, 0)
         # Rule 4 is always on; False only lets a benchmark measure what the check costs.
         self.verify = True
         # per-collective state
@@ -391,8 +391,8 @@ class Arena:
                              fp[0], fp[1], fp[2], fp[3], fp[4], fp[5], fp[6], fp[7],
                              self._seq_addr, self._seq, self._posted_addr, step,
                              self._peer_posted, peer_fp, self._peer_state, self._spins,
-                             YIELDS, self._state_addr, self.verify, self._gil_addr,
-                             self._gil_peers)
+                             YIELD_NS, self._state_addr, self.verify, self._gil_addr,
+                             self._gil_me)
         self._fp_unwritten = False
         self._step = step
         self._finish_wait(step, r, fp_addr != 0)
@@ -420,8 +420,8 @@ class Arena:
                 buf, byte_offset, nbytes, sub, k, dst, fp_addr,
                 fp[0], fp[1], fp[2], fp[3], fp[4], fp[5], fp[6], fp[7],
                 self._seq_addr, self._seq, self._posted_addr, step0, self._peer_posted, peer_fp,
-                self._peer_state, self._spins, YIELDS, self._state_addr, self.verify, srcs,
-                self.rank, spec.op, spec.pre, spec.post, bf16, self._gil_addr, self._gil_peers)
+                self._peer_state, self._spins, YIELD_NS, self._state_addr, self.verify, srcs,
+                self.rank, spec.op, spec.pre, spec.post, bf16, self._gil_addr, self._gil_me)
             self._fp_unwritten = False
             if r == -1:  # every sub-chunk exchanged and reduced
                 self._step = self._known_min = step0 + nsub
@@ -468,7 +468,7 @@ class Arena:
         if target is None:
             target = self._step
         if self._known_min < target:
-            r = wait_all_ge(self._peer_posted, target, self._spins, YIELDS, self._state_addr)
+            r = wait_all_ge(self._peer_posted, target, self._spins, YIELD_NS, self._state_addr)
             if r != -1:
                 self._wait_slow(target, r)
             self._known_min = target
@@ -478,21 +478,19 @@ class Arena:
             self._check_fingerprints()
 
     def _wait_slow(self, target, r):
+        """The compiled tiers ran out (or saw my abort word): sleep with backoff, checking
+        abort, peer liveness and the deadline before every sleep."""
         sleep_s = SLEEP_MIN_S
-        yield_until = time.monotonic() + YIELD_PHASE_S
         while True:
             if r == -2 or self._mine[W_STATE * LINE_WORDS] != STATE_LIVE:
                 raise GroupAbortedError(
                     f"{self._op_name}: rank {self.rank} aborted while waiting at seq {self._seq}")
             self._check_peers(target)
-            now = time.monotonic()
-            if now > self._deadline:
+            if time.monotonic() > self._deadline:
                 raise self._timeout_error(target)
-            if now > yield_until:
-                # Long wait: sleep (a timer sleep overshoots by ~50 us, so not earlier).
-                time.sleep(sleep_s)
-                sleep_s = min(sleep_s * 2, SLEEP_MAX_S)
-            r = wait_all_ge(self._peer_posted, target, 0, SLOW_YIELDS, self._state_addr)
+            time.sleep(sleep_s)
+            sleep_s = min(sleep_s * 2, SLEEP_MAX_S)
+            r = wait_all_ge(self._peer_posted, target, 0, SLOW_YIELD_NS, self._state_addr)
             if r == -1:
                 return
 
@@ -618,9 +616,9 @@ def warm_up(storage=_STORAGE):
         a = np.zeros(1, dt)
         fp = (0, 0, 0, 0, 0, 0, 0, 0)
         _exchange_kernel(a, 0, 0, 0, 0, *fp, w, 0, w + 8, 0, none, none, none, 0, 0, w + 16,
-                         True, 0, none)
+                         True, 0, 0)
         _stream_reduce_kernel(a, 0, 0, 64, 0, 0, 0, *fp, w, 0, w + 8, 0, none, none, none, 0,
-                              0, w + 16, True, srcs, 0, 0, 1.0, 1.0, False, 0, none)
+                              0, w + 16, True, srcs, 0, 0, 1.0, 1.0, False, 0, 0)
         _reduce_chunk(a, 0, 0, srcs, 0, 0, 1.0, 1.0, False)
 
 
@@ -632,58 +630,61 @@ _NO_BYTES = np.zeros(0, np.uint8)
 @numba.njit(nogil=True, cache=True)
 def _exchange_kernel(src, byte_offset, nbytes, dst, fp_addr, f0, f1, f2, f3, f4, f5, f6, f7,
                      seq_addr, seq, posted_addr, step, peer_posted, peer_fp, peer_state,
-                     spins, yields, abort_addr, verify, gil_addr, gil_peers):
+                     spins, yield_ns, abort_addr, verify, gil_addr, gil_me):
     """Arena.exchange's compiled body: _exchange_steps between _gil_enter / _gil_leave."""
-    _gil_enter(gil_addr)
+    _gil_enter(gil_addr, gil_me)
     r = _exchange_steps(src, byte_offset, nbytes, dst, fp_addr, f0, f1, f2, f3, f4, f5, f6, f7,
                         seq_addr, seq, posted_addr, step, peer_posted, peer_fp, peer_state,
-                        spins, yields, abort_addr, verify)
-    _gil_leave(gil_addr, gil_peers, r, spins)
+                        spins, yield_ns, abort_addr, verify)
+    _gil_leave(gil_addr, gil_me, r, spins)
     return r
 
 
 @numba.njit(nogil=True, cache=True)
-def _gil_enter(gil_addr):
-    """Rank threads (threaded_pg) only: say "this thread does not want the GIL now"."""
-    if gil_addr != 0:
-        store_release(gil_addr, 1)
+def _gil_enter(turn_addr, me):
+    """Rank threads (threaded_pg) only: entering compiled code, so give up the Python turn
+    if this thread holds it (see _gil_leave)."""
+    if turn_addr != 0 and load_acquire(turn_addr) == me:
+        store_release(turn_addr, 0)
 
 
 @numba.njit(nogil=True, cache=True)
-def _gil_leave(gil_addr, gil_peers, r, spins):
+def _gil_leave(turn_addr, me, r, spins):
     """Rank threads only, before returning to Python (which takes the GIL back).
 
-    Ranks that are threads of one process run their Python one at a time under the GIL. A
-    rank whose wait completed while a peer thread still runs Python would only block on
-    the GIL until that peer enters its own wait, and then need a futex wake-up (~20 us on a
-    VM, per rank per collective). Spinning here a little longer, until every peer thread is
-    back in compiled code (its word 1), takes the GIL uncontended instead. Bounded: a peer
-    busy with long Python (or blocked elsewhere) only costs the spin budget.
+    Ranks that are threads of one process run their Python one at a time under the GIL.
+    When a wait completes, typically every rank's does at once, and all of them reach for
+    the GIL together: one gets it, the others sleep in CPython's GIL wait and need a futex
+    wake-up when it is released (tens of us on a VM whose idle vCPU halted), per rank per
+    collective. So the rank threads of a spawn also share a "Python turn" word (0 free,
+    else the holder's id): a rank whose wait completed first takes the turn here, spinning
+    without the GIL while a peer holds it; the holder gives it up when it next enters
+    compiled code (_gil_enter), right after releasing the GIL, so the next rank takes an
+    uncontended GIL. Only a heuristic, never a lock: after GIL_LEAVE_NS (a holder blocked
+    elsewhere, or busy in long Python) the rank goes on without the turn, and a rank whose
+    wait did not complete (r != -1: the Python slow path follows) does not take it.
     """
-    if gil_addr == 0:
+    if turn_addr == 0 or r != -1:
         return
-    if r == -1:
-        n = gil_peers.shape[0]
-        pauses = GIL_LEAVE_SPINS if spins else 0
-        for it in range(pauses + GIL_LEAVE_YIELDS):
-            busy = False
-            for k in range(n):
-                if load_acquire(gil_peers[k]) == 0:
-                    busy = True
-                    break
-            if not busy:
-                break
-            if it < pauses:
-                cpu_pause()
-            else:
-                sched_yield()
-    store_release(gil_addr, 0)
+    until = monotonic_ns() + GIL_LEAVE_NS
+    polls = 0
+    while True:
+        v = load_acquire(turn_addr)
+        if v == me or (v == 0 and cas_acq_rel(turn_addr, 0, me)):
+            return
+        polls += 1
+        if (spins == 0 or polls % 64 == 0) and monotonic_ns() >= until:
+            return
+        if spins:
+            cpu_pause()
+        else:
+            sched_yield()
 
 
 @numba.njit(nogil=True, cache=True)
 def _exchange_steps(src, byte_offset, nbytes, dst, fp_addr, f0, f1, f2, f3, f4, f5, f6, f7,
                     seq_addr, seq, posted_addr, step, peer_posted, peer_fp, peer_state,
-                    spins, yields, abort_addr, verify):
+                    spins, yield_ns, abort_addr, verify):
     """Copy-in and rules 1-4, nothing else.
 
     Returns -1 when every peer posted `step` (and, with fp_addr != 0 and `verify`, every
@@ -703,7 +704,7 @@ def _exchange_steps(src, byte_offset, nbytes, dst, fp_addr, f0, f1, f2, f3, f4, 
         store_release(fp_addr + 56, f7)
         store_release(seq_addr, seq)
     store_release(posted_addr, step)  # rule 2
-    r = wait_all_ge(peer_posted, step, spins, yields, abort_addr)  # rule 3
+    r = wait_all_ge(peer_posted, step, spins, yield_ns, abort_addr)  # rule 3
     if r != -1 or fp_addr == 0 or not verify:
         return r
     for k in range(peer_fp.shape[0]):  # rule 4
@@ -722,26 +723,26 @@ def _exchange_steps(src, byte_offset, nbytes, dst, fp_addr, f0, f1, f2, f3, f4, 
 @numba.njit(nogil=True, cache=True)
 def _stream_reduce_kernel(src, byte_offset, nbytes, sub, k0, dst, fp_addr, f0, f1, f2, f3, f4,
                           f5, f6, f7, seq_addr, seq, posted_addr, step0, peer_posted, peer_fp,
-                          peer_state, spins, yields, abort_addr, verify, srcs, rank, op, pre,
-                          post, bf16, gil_addr, gil_peers):
+                          peer_state, spins, yield_ns, abort_addr, verify, srcs, rank, op, pre,
+                          post, bf16, gil_addr, gil_me):
     """Arena.exchange_reduce's body from sub-chunk k0 on: for each sub-chunk k, the
     _exchange_kernel steps (posting step0 + k + 1; the fingerprint with sub-chunk 0), then
     its reduction. Returns (k, code): (count, -1) when all are done, else the sub-chunk
     whose wait did not complete cleanly (posted, not reduced) and the wait code."""
     nsub = max(1, (nbytes + sub - 1) // sub)
-    _gil_enter(gil_addr)
+    _gil_enter(gil_addr, gil_me)
     for k in range(k0, nsub):
         off = k * sub
         m = min(sub, nbytes - off)
         r = _exchange_steps(src, byte_offset + off, m, dst + off, fp_addr if k == 0 else 0,
                             f0, f1, f2, f3, f4, f5, f6, f7, seq_addr, seq, posted_addr,
-                            step0 + k + 1, peer_posted, peer_fp, peer_state, spins, yields,
+                            step0 + k + 1, peer_posted, peer_fp, peer_state, spins, yield_ns,
                             abort_addr, verify)
         if r != -1:
-            _gil_leave(gil_addr, gil_peers, r, spins)
+            _gil_leave(gil_addr, gil_me, r, spins)
             return k, r
         _reduce_chunk(src, byte_offset + off, m, srcs + off, rank, op, pre, post, bf16)
-    _gil_leave(gil_addr, gil_peers, -1, spins)
+    _gil_leave(gil_addr, gil_me, -1, spins)
     return nsub, -1
 
 

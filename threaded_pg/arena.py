@@ -22,6 +22,7 @@ import threading
 import numpy as np
 
 from shmcoll.group import describe_fingerprint, is_oversubscribed
+from shmcoll.atomics import write_release
 from shmcoll.protocol import LINE_NBYTES, Arena, write_header
 
 __all__ = ["ThreadRegions", "RankStates", "new_thread_arena", "thread_liveness", "is_spin_off",
@@ -64,21 +65,19 @@ class RankStates:
         self._finished = [False] * world_size
         self._failed = [False] * world_size
         self.failure = threading.Event()
-        # One word per rank thread, on its own 128-byte line: 1 while the thread is inside a
-        # compiled collective (not wanting the GIL), 0 while it runs Python (protocol
-        # _gil_leave). A finished or failed thread never competes again: 1.
-        self._gil = _aligned_zeros(world_size * LINE_NBYTES).view(np.int64)
+        # The rank threads' shared "Python turn" word (protocol._gil_leave): 0 free, else
+        # the holder's global rank + 1. On its own 128-byte line.
+        self._turn = _aligned_zeros(LINE_NBYTES).view(np.int64)
 
-    def gil_words(self, global_rank):
-        """(this rank thread's word address, int64 addresses of every other rank thread's
-        word) for protocol.Arena(gil_words=...)."""
-        base, stride = self._gil.ctypes.data, LINE_NBYTES
-        others = np.array([base + g * stride for g in range(self.world_size)
-                           if g != global_rank], np.int64)
-        return base + global_rank * stride, others
+    def gil_turn(self, global_rank):
+        """(address of the turn word, this rank thread's id) for protocol.Arena(gil_turn=...)."""
+        return self._turn.ctypes.data, global_rank + 1
 
-    def _leave_gil_race(self, global_rank):
-        self._gil[global_rank * (LINE_NBYTES // 8)] = 1
+    def _give_up_turn(self, global_rank):
+        # Only the holder ever changes the word away from its own id, so check-then-store
+        # is race-free here; a finished or failed thread must never keep the turn.
+        if self._turn[0] == global_rank + 1:
+            write_release(self._turn.ctypes.data, 0)
 
     def is_alive(self, global_rank):
         """True until the rank's thread finished or failed (also before it started)."""
@@ -86,12 +85,12 @@ class RankStates:
 
     def mark_failed(self, global_rank):
         self._failed[global_rank] = True
-        self._leave_gil_race(global_rank)
+        self._give_up_turn(global_rank)
         self.failure.set()
 
     def mark_finished(self, global_rank):
         self._finished[global_rank] = True
-        self._leave_gil_race(global_rank)
+        self._give_up_turn(global_rank)
 
     def failed_ranks(self):
         return [r for r, failed in enumerate(self._failed) if failed]
@@ -115,4 +114,4 @@ def new_thread_arena(regions, rank, states, global_ranks, spin="auto"):
     global_ranks[p] in `states`. spin: SHMCOLL_SPIN ("auto", "spin" or "yield")."""
     return Arena(regions.regions, rank, regions.layout, thread_liveness(states, global_ranks),
                  describe_fingerprint, oversubscribed=is_spin_off(spin, regions.world_size),
-                 gil_words=states.gil_words(global_ranks[rank]))
+                 gil_turn=states.gil_turn(global_ranks[rank]))

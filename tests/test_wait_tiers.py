@@ -1,0 +1,143 @@
+"""The compiled wait tiers (atomics.wait_all_ge / wait_any_ge: yield tier bounded by time)
+and the rank threads' Python turn (protocol._gil_enter / _gil_leave, threaded_pg RankStates).
+
+These are the pieces whose failure would not show as a wrong result, only as a hang or a
+slow group: a yield tier that never ends, a turn that is never given back.
+"""
+
+import ctypes
+import threading
+import time
+
+import numba
+import numpy as np
+import pytest
+
+from shmcoll.atomics import monotonic_ns, wait_all_ge, wait_any_ge
+from shmcoll.protocol import GIL_LEAVE_NS, _gil_enter, _gil_leave
+from threaded_pg.arena import RankStates
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _words(n):
+    w = np.zeros(n + 1, np.int64)  # the last word is the abort word
+    addrs = np.array([w.ctypes.data + 8 * k for k in range(n)], np.int64)
+    return w, addrs, w.ctypes.data + 8 * n
+
+
+@numba.njit
+def _clock():
+    return monotonic_ns()
+
+
+def test_monotonic_ns_is_the_monotonic_clock():
+    _clock()
+    before = time.monotonic_ns()
+    now = _clock()
+    after = time.monotonic_ns()
+    assert before <= now <= after
+
+
+def test_wait_all_ge_zero_budget_is_one_pass():
+    w, addrs, abort = _words(2)
+    wait_all_ge(addrs, 1, 0, 0, abort)  # compiled before timing
+    t0 = time.perf_counter()
+    assert wait_all_ge(addrs, 1, 0, 0, abort) == 0  # word 0 still below: index 0
+    assert time.perf_counter() - t0 < 0.05
+    w[0] = 1
+    assert wait_all_ge(addrs, 1, 0, 0, abort) == 1
+    w[1] = 5
+    assert wait_all_ge(addrs, 1, 0, 0, abort) == -1
+
+
+def test_wait_all_ge_yield_tier_lasts_its_time_budget():
+    _, addrs, abort = _words(1)
+    wait_all_ge(addrs, 1, 0, 0, abort)  # compiled before timing
+    t0 = time.perf_counter()
+    assert wait_all_ge(addrs, 1, 10, 20_000_000, abort) == 0
+    elapsed = time.perf_counter() - t0
+    assert 0.02 <= elapsed < 2.0
+
+
+def test_wait_all_ge_sees_a_late_post_and_the_abort_word():
+    w, addrs, abort = _words(1)
+    timer = threading.Timer(0.01, lambda: w.__setitem__(0, 3))
+    timer.start()
+    assert wait_all_ge(addrs, 3, 100, 5_000_000_000, abort) == -1
+    timer.join()
+    timer = threading.Timer(0.01, lambda: w.__setitem__(1, 1))
+    timer.start()
+    assert wait_all_ge(addrs, 4, 100, 5_000_000_000, abort) == -2
+    timer.join()
+
+
+def test_wait_any_ge_budget():
+    w, addrs, abort = _words(2)
+    targets = np.array([1, 1], np.int64)
+    t0 = time.perf_counter()
+    assert wait_any_ge(addrs, targets, 0, 0, abort) == -1
+    assert time.perf_counter() - t0 < 1.0  # one pass (plus a first compile/load)
+    t0 = time.perf_counter()
+    assert wait_any_ge(addrs, targets, 0, 20_000_000, abort) == -1
+    assert 0.02 <= time.perf_counter() - t0 < 2.0
+    w[1] = 1
+    assert wait_any_ge(addrs, targets, 0, 0, abort) == 1
+
+
+def _turn():
+    word = np.zeros(16, np.int64)
+    return word, word.ctypes.data
+
+
+def test_turn_is_taken_on_leave_and_given_up_on_enter():
+    word, addr = _turn()
+    _gil_leave(addr, 3, -1, 1)
+    assert word[0] == 3
+    _gil_enter(addr, 7)  # not the holder: no effect
+    assert word[0] == 3
+    _gil_enter(addr, 3)
+    assert word[0] == 0
+
+
+def test_incomplete_wait_does_not_take_the_turn():
+    word, addr = _turn()
+    _gil_leave(addr, 3, 0, 1)  # r = 0: a peer is still missing, Python's slow path follows
+    assert word[0] == 0
+
+
+@pytest.mark.parametrize("spins", [1, 0])
+def test_a_held_turn_delays_leave_by_at_most_its_budget(spins):
+    word, addr = _turn()
+    word[0] = 9  # held by a thread that never gives it back
+    _gil_leave(addr, 3, -1, spins)  # compiled before timing
+    t0 = time.perf_counter()
+    _gil_leave(addr, 3, -1, spins)
+    elapsed = time.perf_counter() - t0
+    assert word[0] == 9
+    assert GIL_LEAVE_NS / 1e9 <= elapsed < GIL_LEAVE_NS / 1e9 + 0.5
+
+
+def test_leave_takes_the_turn_once_the_holder_gives_it_up():
+    word, addr = _turn()
+    word[0] = 9
+    _gil_leave(addr, 3, -1, 1)  # compile
+    word[0] = 9
+    timer = threading.Timer(GIL_LEAVE_NS / 1e9 / 4, lambda: _gil_enter(addr, 9))
+    timer.start()
+    _gil_leave(addr, 3, -1, 1)
+    timer.join()
+    assert word[0] == 3
+
+
+@pytest.mark.parametrize("end", ["mark_finished", "mark_failed"])
+def test_a_rank_thread_that_ends_gives_up_its_turn(end):
+    states = RankStates(3)
+    addr, me = states.gil_turn(1)
+    assert me == 2 and states.gil_turn(0) == (addr, 1)
+    word = np.ctypeslib.as_array((ctypes.c_int64 * 1).from_address(addr))
+    _gil_leave(addr, states.gil_turn(0)[1], -1, 1)  # rank 0 holds the turn
+    getattr(states, end)(1)
+    assert word[0] == 1  # rank 1 ending leaves rank 0's turn alone
+    getattr(states, end)(0)
+    assert word[0] == 0
