@@ -496,6 +496,47 @@ def test_main_thread_world_untouched_during_spawn():
         sys.excepthook = hook
 
 
+def test_main_thread_reads_and_writes_its_own_world_while_ranks_run():
+    """Guards: while rank threads hold bound worlds, the caller's thread still reads and
+    writes the original one (the proxy forwards it: default group, new_group's counters
+    and maps), and the ranks never see it."""
+    hook = sys.excepthook
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mine = dist.group.WORLD
+        inside, release = threading.Barrier(3), threading.Event()
+
+        def body(rank, ws):
+            dist.barrier()
+            inside.wait(30)
+            assert release.wait(30)
+            sub = dist.new_group([0, 1])
+            dist.all_reduce(torch.ones(1), group=sub)
+            return dist.get_backend(), dist.group.WORLD is mine
+
+        results = []
+        runner = threading.Thread(target=lambda: results.append(threaded_pg.spawn(body, 2)))
+        runner.start()
+        try:
+            inside.wait(30)
+            assert dist.group.WORLD is mine and dist.get_backend() == "gloo"
+            count = c10d._world.group_count
+            sub = dist.new_group([0])
+            assert c10d._world.group_count == count + 1
+            t = torch.ones(2)
+            dist.all_reduce(t, group=sub)
+            assert t.tolist() == [1.0, 1.0]
+            dist.destroy_process_group(sub)
+        finally:
+            release.set()
+            runner.join(60)
+        assert results == [[(threaded_pg.backend_name(), False)] * 2]
+        assert dist.group.WORLD is mine
+    finally:
+        dist.destroy_process_group()
+        sys.excepthook = hook
+
+
 def test_threaded_backend_refuses_outside_spawn():
     """Guards: init_process_group("threaded") on a thread that is not a spawn's rank fails
     with a message saying what to use instead."""
