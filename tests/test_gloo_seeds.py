@@ -905,7 +905,10 @@ def _frontend_job(rank, world_size, store):
             assert_equal(b, torch.tensor([float(i * ws)]))
         if rank < 2:
             assert not work_a.is_completed()
-        else:
+        # ranks 2 and 3 join group A only after ranks 0 and 1 looked: without this barrier
+        # (itself on group B, with A still pending) a fast rank 2 could complete A first
+        dist.barrier(group=group_b)
+        if rank >= 2:
             work_a = dist.all_reduce(a, group=group_a, async_op=True)
         work_a.wait()
         assert_equal(a, torch.tensor([ws * (ws - 1) / 2]))
