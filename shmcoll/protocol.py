@@ -137,6 +137,9 @@ SLOW_YIELD_NS = 100_000
 # polls, or yields when oversubscribed) for the Python turn before taking the GIL anyway;
 # see _gil_leave. Covers a peer's Python between two collectives (~10-30 us via dist.*).
 GIL_LEAVE_NS = 200_000
+# Sub-slots the streamed one-shot all_reduce cycles through (Arena.exchange_reduce): 2 is
+# the smallest ring that needs no waits beyond the per-sub-chunk one.
+STREAM_RING = 2
 SLEEP_MIN_S = 20e-6
 SLEEP_MAX_S = 1e-3
 
@@ -404,11 +407,17 @@ class Arena:
 
         Streamed: sub-chunks of `sub_nbytes` are copied in, posted (one step each), waited
         for and reduced one after the other, so each peer reads a sub-chunk from the
-        writer's cache right after it was written rather than from memory.
+        writer's cache right after it was written rather than from memory. The sub-chunks
+        take turns in a ring of STREAM_RING sub-slots at the start of slot i, so the slot
+        memory written stays in cache too: only the user buffer streams through memory,
+        and n may exceed the slot. A ring of 2 needs no extra waits: I copy sub-chunk k
+        into sub-slot k % 2 only after seeing every peer post sub-chunk k - 1, and a peer
+        posts k - 1 only after it reduced k - 2, the last read of that sub-slot.
         """
         size = buf.itemsize
         byte_offset, nbytes = start * size, n * size
-        sub = max(size, sub_nbytes - sub_nbytes % size)
+        sub = max(size, min(sub_nbytes, self.slot_nbytes // STREAM_RING))
+        sub -= sub % size
         nsub = max(1, -(-nbytes // sub))
         step0 = self._step
         self._free_at[i] = step0 + nsub + 1
@@ -434,7 +443,7 @@ class Arena:
             if fp_addr and done > 0:
                 self._fp_pending = False  # the kernel checked them at sub-chunk 0
             lo = byte_offset + done * sub
-            _reduce_chunk(buf, lo, min(sub, nbytes - done * sub), srcs + done * sub,
+            _reduce_chunk(buf, lo, min(sub, nbytes - done * sub), srcs + done % STREAM_RING * sub,
                           self.rank, spec.op, spec.pre, spec.post, bf16)
             k = done + 1
             if k >= nsub:
@@ -733,15 +742,16 @@ def _stream_reduce_kernel(src, byte_offset, nbytes, sub, k0, dst, fp_addr, f0, f
     _gil_enter(gil_addr, gil_me)
     for k in range(k0, nsub):
         off = k * sub
+        ring = k % STREAM_RING * sub  # the sub-slot (see Arena.exchange_reduce)
         m = min(sub, nbytes - off)
-        r = _exchange_steps(src, byte_offset + off, m, dst + off, fp_addr if k == 0 else 0,
+        r = _exchange_steps(src, byte_offset + off, m, dst + ring, fp_addr if k == 0 else 0,
                             f0, f1, f2, f3, f4, f5, f6, f7, seq_addr, seq, posted_addr,
                             step0 + k + 1, peer_posted, peer_fp, peer_state, spins, yield_ns,
                             abort_addr, verify)
         if r != -1:
             _gil_leave(gil_addr, gil_me, r, spins)
             return k, r
-        _reduce_chunk(src, byte_offset + off, m, srcs + off, rank, op, pre, post, bf16)
+        _reduce_chunk(src, byte_offset + off, m, srcs + ring, rank, op, pre, post, bf16)
     _gil_leave(gil_addr, gil_me, -1, spins)
     return nsub, -1
 

@@ -6,6 +6,7 @@ slow group: a yield tier that never ends, a turn that is never given back.
 """
 
 import ctypes
+import dataclasses
 import threading
 import time
 
@@ -141,3 +142,38 @@ def test_a_rank_thread_that_ends_gives_up_its_turn(end):
     assert word[0] == 1  # rank 1 ending leaves rank 0's turn alone
     getattr(states, end)(0)
     assert word[0] == 0
+
+
+def _stream_job(rank, world_size, rendezvous, count):
+    import threaded_pg
+
+    group = threaded_pg.new_threaded_group(rendezvous, rank, world_size)
+    try:
+        out = []
+        for rep in range(3):
+            a = np.arange(count, dtype=np.float32) * (rank + 1) + rep
+            group.all_reduce(a)
+            out.append(a)
+        return out
+    finally:
+        group.close()
+
+
+def test_streamed_all_reduce_resumes_through_the_python_wait(monkeypatch):
+    """No spin and no yield tier: nearly every sub-chunk wait of the streamed one-shot
+    all_reduce ends in Python's slow path, which reduces that sub-chunk from its ring
+    sub-slot and resumes the kernel; the results must not notice. 64 KiB slots: 32 KiB
+    sub-slots, so 1 MiB takes 32 sub-chunks through the 2-slot ring."""
+    import threaded_pg
+    from shmcoll import config, protocol
+
+    monkeypatch.setattr(protocol, "SPINS", 0)
+    monkeypatch.setattr(protocol, "YIELD_NS", 0)
+    cfg = dataclasses.replace(config.from_env(), slot_nbytes=64 << 10)
+    count = (1 << 20) // 4 + 3
+    results = threaded_pg.run_threads(_stream_job, 2, args=(count,), timeout=60, cfg=cfg)
+    base = np.arange(count, dtype=np.float32)
+    for rep in range(3):
+        want = base * 3 + 2 * rep
+        for out in results:
+            np.testing.assert_array_equal(out[rep], want)

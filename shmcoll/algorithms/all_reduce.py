@@ -16,19 +16,17 @@ STREAM_NBYTES = 512 << 10
 
 
 def all_reduce_one_shot(arena, buf, spec):
-    """Every rank reduces every slot (latency-optimal: one wait per chunk).
+    """Every rank reduces every rank's data (latency-optimal: one wait per sub-chunk).
 
-    Steps per chunk: 1. Bytes per rank per chunk of S bytes: copy in S, read N*S, write S.
-    1. copy the chunk into my slot; post.
-    2. wait for all peers; reduce all N slots, in rank order, into my buffer.
+    Steps per sub-chunk: 1. Bytes per rank per sub-chunk of S bytes: copy in S, read N*S,
+    write S; the sub-chunks cycle through a 2-sub-slot ring in one slot (see
+    Arena.exchange_reduce), so any size goes in one call and the slot stays in cache.
+    1. copy the sub-chunk into my sub-slot; post.
+    2. wait for all peers; reduce all N sub-slots, in rank order, into my buffer.
     """
-    itemsize = buf.itemsize
-    per = arena.slot_nbytes // itemsize
-    for start in range(0, buf.size, per):
-        n = min(per, buf.size - start)
-        i = arena.next_slot()
-        arena.claim(i)
-        arena.exchange_reduce(i, buf, start, n, spec, STREAM_NBYTES)
+    i = arena.next_slot()
+    arena.claim(i)
+    arena.exchange_reduce(i, buf, 0, buf.size, spec, STREAM_NBYTES)
 
 
 def all_reduce_two_shot(arena, buf, spec):
