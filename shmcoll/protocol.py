@@ -140,6 +140,7 @@ GIL_LEAVE_NS = 200_000
 # Sub-slots the streamed one-shot all_reduce cycles through (Arena.exchange_reduce): 2 is
 # the smallest ring that needs no waits beyond the per-sub-chunk one.
 STREAM_RING = 2
+STREAM_REDUCE, STREAM_GATHER = 0, 1  # what Arena._stream does with each sub-chunk
 SLEEP_MIN_S = 20e-6
 SLEEP_MAX_S = 1e-3
 
@@ -403,36 +404,51 @@ class Arena:
     def exchange_reduce(self, i, buf, start, n, spec, sub_nbytes):
         """buf[start:start + n] = the reduction (ops.ReduceSpec `spec`) of every rank's
         buf[start:start + n], in rank order, through my slot i (claimed): the one-shot
-        all_reduce chunk as one compiled call when nobody is late.
-
-        Streamed: sub-chunks of `sub_nbytes` are copied in, posted (one step each), waited
-        for and reduced one after the other, so each peer reads a sub-chunk from the
-        writer's cache right after it was written rather than from memory. The sub-chunks
-        take turns in a ring of STREAM_RING sub-slots at the start of slot i, so the slot
-        memory written stays in cache too: only the user buffer streams through memory,
-        and n may exceed the slot. A ring of 2 needs no extra waits: I copy sub-chunk k
-        into sub-slot k % 2 only after seeing every peer post sub-chunk k - 1, and a peer
-        posts k - 1 only after it reduced k - 2, the last read of that sub-slot.
-        """
+        all_reduce as one compiled call when nobody is late (see _stream)."""
         size = buf.itemsize
-        byte_offset, nbytes = start * size, n * size
+        self._stream(i, STREAM_REDUCE, buf, start * size, n * size, sub_nbytes,
+                     spec.op, spec.pre, spec.post, spec.kind == "bfloat16", _NO_BYTES)
+
+    def exchange_gather(self, i, inp, out, sub_nbytes):
+        """out[j * inp.size: (j + 1) * inp.size] = rank j's `inp`, for every rank j (uint8
+        arrays; all_gather into one buffer), through my slot i (claimed), streamed like
+        exchange_reduce: my own bytes are copied from `inp` (still in cache from the
+        copy-in), each peer's from its sub-slot."""
+        self._stream(i, STREAM_GATHER, inp, 0, inp.size, sub_nbytes, 0, 1.0, 1.0, False, out)
+
+    def _stream(self, i, mode, src, byte_offset, nbytes, sub_nbytes, op, pre, post, bf16, out):
+        """One collective's data through slot i in sub-chunks, one step each: copy the
+        sub-chunk in, post, wait for every peer, then consume every rank's copy of it
+        (mode STREAM_REDUCE: reduce into src; STREAM_GATHER: copy into out), all in one
+        compiled call unless a peer is late (Python then finishes that wait, consumes the
+        sub-chunk and resumes the kernel after it).
+
+        Each peer reads a sub-chunk from the writer's cache right after it was written
+        rather than from memory, and the sub-chunks take turns in a ring of STREAM_RING
+        sub-slots at the start of slot i, so the slot memory stays in cache too: only the
+        user buffers stream through memory, and nbytes may exceed the slot. A ring of 2
+        needs no extra waits: I copy sub-chunk k into sub-slot k % 2 only after seeing
+        every peer post sub-chunk k - 1, and a peer posts k - 1 only after it consumed
+        k - 2, the last read of that sub-slot.
+        """
+        size = src.itemsize
         sub = max(size, min(sub_nbytes, self.slot_nbytes // STREAM_RING))
         sub -= sub % size
         nsub = max(1, -(-nbytes // sub))
         step0 = self._step
         self._free_at[i] = step0 + nsub + 1
-        srcs, dst, bf16 = self._slot_addrs[i], self._slot_addr_mine[i], spec.kind == "bfloat16"
+        srcs, dst = self._slot_addrs[i], self._slot_addr_mine[i]
         k = 0
         while True:
             fp, fp_addr, peer_fp = self._fp_args()
-            done, r = _stream_reduce_kernel(
-                buf, byte_offset, nbytes, sub, k, dst, fp_addr,
+            done, r = _stream_kernel(
+                mode, src, byte_offset, nbytes, sub, k, dst, fp_addr,
                 fp[0], fp[1], fp[2], fp[3], fp[4], fp[5], fp[6], fp[7],
                 self._seq_addr, self._seq, self._posted_addr, step0, self._peer_posted, peer_fp,
                 self._peer_state, self._spins, YIELD_NS, self._state_addr, self.verify, srcs,
-                self.rank, spec.op, spec.pre, spec.post, bf16, self._gil_addr, self._gil_me)
+                self.rank, op, pre, post, bf16, out, self._gil_addr, self._gil_me)
             self._fp_unwritten = False
-            if r == -1:  # every sub-chunk exchanged and reduced
+            if r == -1:  # every sub-chunk exchanged and consumed
                 self._step = self._known_min = step0 + nsub
                 if fp_addr:
                     self._fp_pending = False
@@ -442,9 +458,9 @@ class Arena:
             self._finish_wait(self._step, r, fp_addr != 0 and done == 0)
             if fp_addr and done > 0:
                 self._fp_pending = False  # the kernel checked them at sub-chunk 0
-            lo = byte_offset + done * sub
-            _reduce_chunk(buf, lo, min(sub, nbytes - done * sub), srcs + done % STREAM_RING * sub,
-                          self.rank, spec.op, spec.pre, spec.post, bf16)
+            _consume(mode, src, byte_offset + done * sub, min(sub, nbytes - done * sub),
+                     srcs + done % STREAM_RING * sub, self.rank, op, pre, post, bf16, out,
+                     done * sub, nbytes)
             k = done + 1
             if k >= nsub:
                 self._step = step0 + nsub
@@ -626,8 +642,8 @@ def warm_up(storage=_STORAGE):
         fp = (0, 0, 0, 0, 0, 0, 0, 0)
         _exchange_kernel(a, 0, 0, 0, 0, *fp, w, 0, w + 8, 0, none, none, none, 0, 0, w + 16,
                          True, 0, 0)
-        _stream_reduce_kernel(a, 0, 0, 64, 0, 0, 0, *fp, w, 0, w + 8, 0, none, none, none, 0,
-                              0, w + 16, True, srcs, 0, 0, 1.0, 1.0, False, 0, 0)
+        _stream_kernel(STREAM_REDUCE, a, 0, 0, 64, 0, 0, 0, *fp, w, 0, w + 8, 0, none, none,
+                       none, 0, 0, w + 16, True, srcs, 0, 0, 1.0, 1.0, False, _NO_BYTES, 0, 0)
         _reduce_chunk(a, 0, 0, srcs, 0, 0, 1.0, 1.0, False)
 
 
@@ -730,19 +746,19 @@ def _exchange_steps(src, byte_offset, nbytes, dst, fp_addr, f0, f1, f2, f3, f4, 
 
 
 @numba.njit(nogil=True, cache=True)
-def _stream_reduce_kernel(src, byte_offset, nbytes, sub, k0, dst, fp_addr, f0, f1, f2, f3, f4,
-                          f5, f6, f7, seq_addr, seq, posted_addr, step0, peer_posted, peer_fp,
-                          peer_state, spins, yield_ns, abort_addr, verify, srcs, rank, op, pre,
-                          post, bf16, gil_addr, gil_me):
-    """Arena.exchange_reduce's body from sub-chunk k0 on: for each sub-chunk k, the
+def _stream_kernel(mode, src, byte_offset, nbytes, sub, k0, dst, fp_addr, f0, f1, f2, f3, f4,
+                   f5, f6, f7, seq_addr, seq, posted_addr, step0, peer_posted, peer_fp,
+                   peer_state, spins, yield_ns, abort_addr, verify, srcs, rank, op, pre, post,
+                   bf16, out, gil_addr, gil_me):
+    """Arena._stream's body from sub-chunk k0 on: for each sub-chunk k, the
     _exchange_kernel steps (posting step0 + k + 1; the fingerprint with sub-chunk 0), then
-    its reduction. Returns (k, code): (count, -1) when all are done, else the sub-chunk
-    whose wait did not complete cleanly (posted, not reduced) and the wait code."""
+    _consume. Returns (k, code): (count, -1) when all are done, else the sub-chunk whose
+    wait did not complete cleanly (posted, not consumed) and the wait code."""
     nsub = max(1, (nbytes + sub - 1) // sub)
     _gil_enter(gil_addr, gil_me)
     for k in range(k0, nsub):
         off = k * sub
-        ring = k % STREAM_RING * sub  # the sub-slot (see Arena.exchange_reduce)
+        ring = k % STREAM_RING * sub  # the sub-slot (see Arena._stream)
         m = min(sub, nbytes - off)
         r = _exchange_steps(src, byte_offset + off, m, dst + ring, fp_addr if k == 0 else 0,
                             f0, f1, f2, f3, f4, f5, f6, f7, seq_addr, seq, posted_addr,
@@ -751,9 +767,28 @@ def _stream_reduce_kernel(src, byte_offset, nbytes, sub, k0, dst, fp_addr, f0, f
         if r != -1:
             _gil_leave(gil_addr, gil_me, r, spins)
             return k, r
-        _reduce_chunk(src, byte_offset + off, m, srcs + ring, rank, op, pre, post, bf16)
+        _consume(mode, src, byte_offset + off, m, srcs + ring, rank, op, pre, post, bf16, out,
+                 off, nbytes)
     _gil_leave(gil_addr, gil_me, -1, spins)
     return nsub, -1
+
+
+@numba.njit(nogil=True, cache=True)
+def _consume(mode, src, byte_offset, nbytes, srcs, rank, op, pre, post, bf16, out, out_offset,
+             stride):
+    """Use every rank's copy of one sub-chunk (`srcs`: their sub-slots, mine included).
+    STREAM_REDUCE: _reduce_chunk into src. STREAM_GATHER: rank j's copy goes to
+    out[j * stride + out_offset:][:nbytes]; mine straight from src (in cache from the
+    copy-in) rather than from my sub-slot."""
+    if mode == STREAM_REDUCE:
+        _reduce_chunk(src, byte_offset, nbytes, srcs, rank, op, pre, post, bf16)
+        return
+    base = out.ctypes.data + out_offset
+    for j in range(srcs.shape[0]):
+        if j == rank:
+            copy_bytes(base + j * stride, src.ctypes.data + byte_offset, nbytes)
+        else:
+            copy_bytes(base + j * stride, srcs[j], nbytes)
 
 
 @numba.njit(nogil=True, cache=True)

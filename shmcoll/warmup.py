@@ -18,7 +18,6 @@ import time
 import numpy as np
 
 from . import kernels, protocol
-from .algorithms.all_gather import copy_slots_out
 from .atomics import read_acquire, wait_all_ge, wait_any_ge, write_release
 
 __all__ = ["warm_up", "warm_up_async", "wait_ready", "FIRST_KINDS"]
@@ -46,7 +45,6 @@ def warm_up(kinds=None):
                 wait_any_ge(np.array([word.ctypes.data], np.int64), np.zeros(1, np.int64),
                             1, 1, word.ctypes.data + 8)
                 protocol.warm_up([np.uint8])  # broadcast/gather kernels move bytes
-                copy_slots_out(word.view(np.uint8), 0, np.zeros(0, np.int64), 0, 0)
             groups = _ALL_KINDS if kinds is None else [[k] for k in kinds]
             for group in groups:
                 todo = [k for k in group if k not in _loaded]

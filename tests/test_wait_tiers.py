@@ -152,18 +152,21 @@ def _stream_job(rank, world_size, rendezvous, count):
         out = []
         for rep in range(3):
             a = np.arange(count, dtype=np.float32) * (rank + 1) + rep
+            gathered = np.empty(world_size * count, np.float32)
+            group.all_gather(gathered, a)
             group.all_reduce(a)
-            out.append(a)
+            out.append((a, gathered))
         return out
     finally:
         group.close()
 
 
-def test_streamed_all_reduce_resumes_through_the_python_wait(monkeypatch):
+def test_streamed_collectives_resume_through_the_python_wait(monkeypatch):
     """No spin and no yield tier: nearly every sub-chunk wait of the streamed one-shot
-    all_reduce ends in Python's slow path, which reduces that sub-chunk from its ring
-    sub-slot and resumes the kernel; the results must not notice. 64 KiB slots: 32 KiB
-    sub-slots, so 1 MiB takes 32 sub-chunks through the 2-slot ring."""
+    all_reduce and all_gather (Arena._stream) ends in Python's slow path, which consumes
+    that sub-chunk from its ring sub-slot and resumes the kernel; the results must not
+    notice. 64 KiB slots: 32 KiB sub-slots, so 1 MiB takes 32 sub-chunks through the
+    2-slot ring."""
     import threaded_pg
     from shmcoll import config, protocol
 
@@ -175,5 +178,7 @@ def test_streamed_all_reduce_resumes_through_the_python_wait(monkeypatch):
     base = np.arange(count, dtype=np.float32)
     for rep in range(3):
         want = base * 3 + 2 * rep
+        gathered = np.concatenate([base + rep, base * 2 + rep])
         for out in results:
-            np.testing.assert_array_equal(out[rep], want)
+            np.testing.assert_array_equal(out[rep][0], want)
+            np.testing.assert_array_equal(out[rep][1], gathered)
