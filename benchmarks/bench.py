@@ -65,11 +65,11 @@ PRESETS = {
     "report": dict(backends="shm,gloo,mpi4py,memcpy", world_sizes="2,4,8",
                    ops="all_reduce,broadcast,all_gather,reduce_scatter",
                    sizes=[8, 1 << 10, 64 << 10, 1 << 20, 16 << 20, 256 << 20],
-                   iters=200, warmup=20),  # small sizes: 200 calls (the 8 B median of 50
-                                           # moved with a few preempted calls)
+                   iters=200, warmup=20, rounds=3),  # 200 calls per small size, median
+                   # of 3 rounds: one run's 8 B median moved with a few preempted calls
 }
 DEFAULTS = dict(backends="shm,gloo", world_sizes="2,4", ops=DEFAULT_OPS, minbytes="8",
-                maxbytes="64M", stepfactor=4, iters=20, warmup=5, dtype="float32")
+                maxbytes="64M", stepfactor=4, iters=20, warmup=5, dtype="float32", rounds=1)
 
 EXIT_OK, EXIT_WRONG, EXIT_USAGE, EXIT_ERROR = 0, 1, 2, 3
 
@@ -207,7 +207,7 @@ def make_header(args) -> dict:
         "command": " ".join([os.path.basename(sys.executable), "-m", "benchmarks.bench"]
                             + sys.argv[1:]),
         "settings": {k: getattr(args, k) for k in (
-            "backends", "world_sizes", "ops", "sizes", "dtype", "iters", "warmup",
+            "backends", "world_sizes", "ops", "sizes", "dtype", "iters", "warmup", "rounds",
             "iter_bytes", "min_iters", "threads", "root", "seed", "rendezvous", "check_all",
             "timeout", "init_timeout", "stall_timeout")},
         **({"mpirun": find_mpirun(args.mpirun), "mpirun_args": args.mpirun_args}
@@ -228,7 +228,7 @@ def format_header(h: dict) -> str:
         f"# settings   : dtype={s['dtype']} iters<={s['iters']} warmup<={s['warmup']} "
         f"iter_bytes={human(s['iter_bytes'])} min_iters={s['min_iters']} "
         f"threads/rank={s['threads']} rendezvous={s['rendezvous']} root={s['root']} "
-        f"seed={s['seed']}",
+        f"seed={s['seed']} rounds={s.get('rounds', 1)}",
         *([f"# mpi4py     : {h.get('mpirun') or 'mpirun not found'} --allow-run-as-root "
            f"--oversubscribe -n N {h.get('mpirun_args')}"] if "mpirun_args" in h else []),
         "# time_us    : per-iteration wall time; median over iterations on each rank, max over "
@@ -379,6 +379,25 @@ def load_jsonl(path) -> list:
             if line:
                 records.append(json.loads(line))
     return records
+
+
+def merge_rounds(rows) -> list:
+    """One row per (backend, op, world size, size): with --rounds R, the round whose time
+    is the median of the R (the middle one; the faster middle for even R), so one noisy
+    round on a shared host moves no number. A row wrong in any round stays wrong."""
+    groups = {}
+    for r in rows:
+        if r.get("record", "row") == "row":
+            groups.setdefault((r["backend"], r["op"], r["world_size"], r["nbytes"]), []).append(r)
+    merged = []
+    for group in groups.values():
+        ordered = sorted(group, key=lambda r: r["time_us"])
+        pick = dict(ordered[(len(ordered) - 1) // 2])
+        if len(group) > 1:
+            pick["rounds"] = len(group)
+            pick["wrong"] = max(r["wrong"] for r in group)
+        merged.append(pick)
+    return merged
 
 
 # ---------------------------------------------------------------------------------------
@@ -605,6 +624,7 @@ class Reporter:
         self.rows, self.errors, self.warnings = [], [], []
         self._group = None
         self._out = out_file
+        self.round = None  # with --rounds: the round the next rows belong to
 
     def _write(self, rec):
         if self._out is not None:
@@ -612,6 +632,8 @@ class Reporter:
             self._out.flush()
 
     def row(self, r):
+        if self.round is not None:
+            r = {**r, "round": self.round}
         group = (r["op"], r["backend"], r["world_size"])
         if group != self._group:
             self._group = group
@@ -1139,6 +1161,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--quick", action="store_true",
       help="preset: all_reduce, world size 2, sizes 8,64K,1M,16M, then a ratio table")
     a("--latency", action="store_true", help="preset: sizes 8,1K,64K, -n 500 -w 50")
+    a("--rounds", type=int,
+      help="run the whole sweep this many times, backends alternating, and report per row "
+           "the round with the median time (default 1; --report: 3)")
     a("--report", action="store_true",
       help="preset: the README report (shm,gloo,mpi4py,memcpy; 4 ops; 2,4,8 ranks; 8,1K,64K,"
            "1M,16M,256M)")
@@ -1205,8 +1230,10 @@ def resolve_args(argv=None):
             collectives.max_value(collectives.DTYPES[args.dtype], ws)
             if not 0 <= args.root < ws:
                 raise ValueError(f"--root {args.root} is not a rank of world size {ws}")
-        if args.iters < 1 or args.warmup < 0 or args.min_iters < 1 or args.threads < 1:
-            raise ValueError("need -n >= 1, -w >= 0, --min-iters >= 1, --threads >= 1")
+        if args.iters < 1 or args.warmup < 0 or args.min_iters < 1 or args.threads < 1 \
+                or args.rounds < 1:
+            raise ValueError("need -n >= 1, -w >= 0, --min-iters >= 1, --threads >= 1, "
+                             "--rounds >= 1")
         if not args.backends or not args.world_sizes or not args.ops:
             raise ValueError("--backends, --world-sizes and --ops must not be empty")
     except (ValueError, argparse.ArgumentTypeError) as e:
@@ -1259,12 +1286,13 @@ def main(argv=None) -> int:
             elif rec.get("record") == "error":
                 print(f"\n!! [{rec['backend']} world_size={rec['world_size']}] "
                       f"{rec['kind']}: {rec['message']}")
-        seen = list(dict.fromkeys(r["backend"] for r in rep.rows))  # order of the file
+        rows = merge_rounds(rep.rows)
+        seen = list(dict.fromkeys(r["backend"] for r in rows))  # order of the file
         pairs = args.pairs if args.compare else default_pairs(seen)
-        print_ratios(rep.rows, pairs)
+        print_ratios(rows, pairs)
         if args.plot:
             from benchmarks import plot
-            plot.plot_rows(rep.rows, args.plot)
+            plot.plot_rows(rows, args.plot)
             print(f"\nplot: {args.plot}")
         return EXIT_WRONG if any(r.get("wrong") for r in rep.rows) else EXIT_OK
 
@@ -1283,12 +1311,16 @@ def main(argv=None) -> int:
     rep = Reporter(out_file)
     t_start = time.monotonic()
     try:
-        if MEMCPY in args.backends:  # once, first, while the machine is quietest
-            run_memcpy(args, rep)
-        for ws in args.world_sizes:
-            for backend in args.backends:
-                if backend != MEMCPY:
-                    run_config(backend, ws, args, rep)
+        for rnd in range(args.rounds):
+            if args.rounds > 1:
+                rep.round = rnd
+                print(f"\n# round {rnd + 1}/{args.rounds}", flush=True)
+            if MEMCPY in args.backends:  # first in each round, while the machine is quietest
+                run_memcpy(args, rep)
+            for ws in args.world_sizes:
+                for backend in args.backends:
+                    if backend != MEMCPY:
+                        run_config(backend, ws, args, rep)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
@@ -1296,11 +1328,14 @@ def main(argv=None) -> int:
         if out_file is not None:
             out_file.close()
 
+    rows = merge_rounds(rep.rows)
+    if args.rounds > 1:
+        print(f"\n# the tables below: per row, the median of {args.rounds} rounds")
     if args.pairs:
-        print_ratios(rep.rows, args.pairs)
-    if args.plot and rep.rows:
+        print_ratios(rows, args.pairs)
+    if args.plot and rows:
         from benchmarks import plot
-        plot.plot_rows(rep.rows, args.plot,
+        plot.plot_rows(rows, args.plot,
                        title=f"{header['cpu_model']} ({header['cpu_cores']} cores), "
                              f"torch {header['torch']}, {args.dtype}")
         print(f"\nplot: {args.plot}")

@@ -21,12 +21,13 @@ PEERS = ("gloo", "mpi4py")
 
 
 def load(path):
-    rows = {}
-    for line in open(path):
-        r = json.loads(line)
-        if r.get("record") == "row" and not r.get("wrong"):
-            rows[(r["backend"], r["op"], r["world_size"], r["nbytes"])] = r
-    return rows
+    """Rows by (backend, op, world size, size); with several rounds, the median round's
+    (bench.merge_rounds)."""
+    from benchmarks.bench import merge_rounds
+
+    rows = [json.loads(line) for line in open(path) if line.strip()]
+    return {(r["backend"], r["op"], r["world_size"], r["nbytes"]): r
+            for r in merge_rounds(rows) if not r.get("wrong")}
 
 
 def _size(n):

@@ -56,6 +56,30 @@ def test_memcpy_inject_error_is_detected(tmp_path):
     assert len(rows) == 2 and all(r["wrong"] > 0 for r in rows)
 
 
+@pytest.mark.timeout(120)
+def test_rounds_tag_rows_and_the_median_round_is_reported(tmp_path):
+    code, rows, errors = _run(tmp_path, "--backends", "memcpy", "--ops", "all_reduce",
+                              "-b", "4K", "-e", "64K", "-f", "16", "-n", "3", "--rounds", "3")
+    assert code == bench.EXIT_OK and not errors
+    assert sorted((r["nbytes"], r["round"]) for r in rows) == \
+        [(n, k) for n in (4096, 65536) for k in range(3)]
+    merged = bench.merge_rounds(rows)
+    assert len(merged) == 2
+    for m in merged:
+        times = sorted(r["time_us"] for r in rows if r["nbytes"] == m["nbytes"])
+        assert m["time_us"] == times[1] and m["rounds"] == 3
+
+
+def test_merge_rounds_median_and_wrong():
+    rows = [_row("shm", "all_reduce", 2, 8, t, 0.0) for t in (30.0, 10.0, 20.0, 40.0)]
+    rows[3]["wrong"] = 2  # the slowest round was also wrong: the merged row says so
+    [m] = bench.merge_rounds(rows)
+    assert m["time_us"] == 20.0 and m["rounds"] == 4 and m["wrong"] == 2
+    assert bench.merge_rounds(rows[:1]) == [rows[0]]  # one round: the row as it was
+    with pytest.raises(SystemExit):
+        bench.resolve_args(["--rounds", "0"])
+
+
 def _row(backend, op, ws, nbytes, time_us, busbw, wrong=0):
     return {"record": "row", "backend": backend, "op": op, "world_size": ws, "nbytes": nbytes,
             "time_us": time_us, "busbw_GBps": busbw, "wrong": wrong}
