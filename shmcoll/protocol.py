@@ -493,7 +493,8 @@ class Arena:
         if target is None:
             target = self._step
         if self._known_min < target:
-            r = wait_all_ge(self._peer_posted, target, self._spins, YIELD_NS, self._state_addr)
+            r = _wait_kernel(self._peer_posted, target, self._spins, YIELD_NS,
+                             self._state_addr, self._gil_addr, self._gil_me)
             if r != -1:
                 self._wait_slow(target, r)
             self._known_min = target
@@ -645,6 +646,7 @@ def warm_up(storage=_STORAGE):
         _stream_kernel(STREAM_REDUCE, a, 0, 0, 64, 0, 0, 0, *fp, w, 0, w + 8, 0, none, none,
                        none, 0, 0, w + 16, True, srcs, 0, 0, 1.0, 1.0, False, _NO_BYTES, 0, 0)
         _reduce_chunk(a, 0, 0, srcs, 0, 0, 1.0, 1.0, False)
+    _wait_kernel(none, 0, 0, 0, w + 16, 0, 0)
 
 
 _FP_PAD = [[0] * (FP_WORDS - n) for n in range(FP_WORDS + 1)]
@@ -661,6 +663,16 @@ def _exchange_kernel(src, byte_offset, nbytes, dst, fp_addr, f0, f1, f2, f3, f4,
     r = _exchange_steps(src, byte_offset, nbytes, dst, fp_addr, f0, f1, f2, f3, f4, f5, f6, f7,
                         seq_addr, seq, posted_addr, step, peer_posted, peer_fp, peer_state,
                         spins, yield_ns, abort_addr, verify)
+    _gil_leave(gil_addr, gil_me, r, spins)
+    return r
+
+
+@numba.njit(nogil=True, cache=True)
+def _wait_kernel(peer_posted, target, spins, yield_ns, abort_addr, gil_addr, gil_me):
+    """Arena.wait_all's compiled wait: atomics.wait_all_ge between _gil_enter / _gil_leave
+    (rank threads then take the Python turn on the way out, as after an exchange)."""
+    _gil_enter(gil_addr, gil_me)
+    r = wait_all_ge(peer_posted, target, spins, yield_ns, abort_addr)
     _gil_leave(gil_addr, gil_me, r, spins)
     return r
 
