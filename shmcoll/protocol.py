@@ -59,6 +59,10 @@ Rules (each rank, for every collective, in the same order on every rank):
    slot published at step s (last written before post s) is therefore free again once every
    peer has posted s + 1; claim(i) waits for that. Slots rotate in claim order, which is the
    same on every rank because chunk counts derive from fingerprint-checked arguments.
+   Streamed collectives (Arena._stream) cycle sub-chunks through two sub-slots of one
+   claimed slot, one step each: sub-chunk k is written into sub-slot k % 2 only after the
+   wait for k - 1, and every peer posted k - 1 only after it consumed k - 2, the previous
+   contents of that sub-slot; so the rule above holds with no extra wait.
 
 Point-to-point messages (send/recv) use only the P2P area and never touch POSTED, SEQ or
 the fingerprints, so they interleave freely with collectives; their rules are in p2p.py.
@@ -137,8 +141,8 @@ SLOW_YIELD_NS = 100_000
 # polls, or yields when oversubscribed) for the Python turn before taking the GIL anyway;
 # see _gil_leave. Covers a peer's Python between two collectives (~10-30 us via dist.*).
 GIL_LEAVE_NS = 200_000
-# Sub-slots the streamed one-shot all_reduce cycles through (Arena.exchange_reduce): 2 is
-# the smallest ring that needs no waits beyond the per-sub-chunk one.
+# Sub-slots the streamed collectives cycle through (Arena._stream): 2 is the smallest ring
+# that needs no waits beyond the per-sub-chunk one (rule 6).
 STREAM_RING = 2
 STREAM_REDUCE, STREAM_GATHER = 0, 1  # what Arena._stream does with each sub-chunk
 SLEEP_MIN_S = 20e-6
