@@ -14,7 +14,8 @@ import numba
 import numpy as np
 import pytest
 
-from shmcoll.atomics import monotonic_ns, wait_all_ge, wait_any_ge
+from shmcoll.atomics import (cpu_pause, load_acquire, monotonic_ns, wait_all_ge, wait_any_ge,
+                             write_release)
 from shmcoll.protocol import GIL_LEAVE_NS, _gil_enter, _gil_leave
 from threaded_pg.arena import RankStates
 
@@ -119,16 +120,42 @@ def test_a_held_turn_delays_leave_by_at_most_its_budget(spins):
     assert GIL_LEAVE_NS / 1e9 <= elapsed < GIL_LEAVE_NS / 1e9 + 0.5
 
 
+@numba.njit(nogil=True)
+def _give_up_later(go_addr, turn_addr, holder, delay_ns):
+    """The holder's side, compiled so that it is already running (spinning on `go`) when
+    the leave starts: wait for go, let delay_ns pass, then enter compiled code."""
+    while load_acquire(go_addr) == 0:
+        cpu_pause()
+    until = monotonic_ns() + delay_ns
+    while monotonic_ns() < until:
+        cpu_pause()
+    _gil_enter(turn_addr, holder)
+
+
 def test_leave_takes_the_turn_once_the_holder_gives_it_up():
-    word, addr = _turn()
-    word[0] = 9
-    _gil_leave(addr, 3, -1, 1)  # compile
-    word[0] = 9
-    timer = threading.Timer(GIL_LEAVE_NS / 1e9 / 4, lambda: _gil_enter(addr, 9))
-    timer.start()
-    _gil_leave(addr, 3, -1, 1)
-    timer.join()
-    assert word[0] == 3
+    _gil_leave(*_turn()[1:], 3, -1, 1)  # compiled before timing
+    _give_up_later(np.ones(1, np.int64).ctypes.data, _turn()[1], 9, 0)
+    # A holder descheduled for longer than GIL_LEAVE_NS makes the leave time out, which is
+    # correct too (checked below); attempts keep that scheduling accident out of the
+    # result, and a host so loaded that it happens every time skips rather than fails.
+    for _ in range(20):
+        word, addr = _turn()
+        word[0] = 9
+        go = np.zeros(16, np.int64)
+        holder = threading.Thread(target=_give_up_later,
+                                  args=(go.ctypes.data, addr, 9, GIL_LEAVE_NS // 4))
+        holder.start()
+        time.sleep(0.01)  # the holder spins on `go` by now, unless the host is loaded
+        write_release(go.ctypes.data, 1)
+        t0 = time.perf_counter()
+        _gil_leave(addr, 3, -1, 1)
+        elapsed = time.perf_counter() - t0
+        holder.join()
+        if word[0] == 3:
+            return
+        # timed out before the holder gave the turn up: went on without it, after the budget
+        assert word[0] == 0 and elapsed >= GIL_LEAVE_NS / 1e9
+    pytest.skip("the holder thread never ran within GIL_LEAVE_NS of the leave (loaded host)")
 
 
 @pytest.mark.parametrize("end", ["mark_finished", "mark_failed"])
