@@ -717,6 +717,27 @@ class _EventLog:
         return None
 
 
+def _supervise(ev, args, finished, failed, stuck_message):
+    """Follow rank 0's events until `finished()`; returns None, or why the run has to be
+    stopped: `stuck_message` when `failed()` held for longer than --fail-grace without
+    the run ending, or a deadline (ev.deadline_problem). Shared by the torch ranks and
+    the mpi4py peer."""
+    failed_at = None
+    while True:
+        ev.poll()
+        if finished():
+            return None
+        now = time.monotonic()
+        if failed_at is None and failed():
+            failed_at = now
+        if failed_at is not None and now - failed_at > args.fail_grace:
+            return stuck_message
+        problem = ev.deadline_problem(args)
+        if problem:
+            return problem
+        time.sleep(0.05)
+
+
 def _read_fatals(rundir: Path, world_size: int) -> dict:
     fatals = {}
     for r in range(world_size):
@@ -769,28 +790,14 @@ def run_config(backend: str, world_size: int, args, rep: Reporter) -> None:
              for r in range(world_size)]
     shm_before = _shm_entries()
     ev = _EventLog(rundir / "events.jsonl", rep, backend, world_size)
-    first_exit_fail = None
     problem = None
     try:
         for p in procs:
             p.start()
-        while True:
-            # 1. consume new events from rank 0
-            ev.poll()
-            # 2. process states and deadlines
-            codes = [p.exitcode for p in procs]
-            if all(c is not None for c in codes):
-                break
-            now = time.monotonic()
-            if any(c not in (None, 0) for c in codes) and first_exit_fail is None:
-                first_exit_fail = now
-            if first_exit_fail is not None and now - first_exit_fail > args.fail_grace:
-                problem = "peers of a failed rank did not exit"
-                break
-            problem = ev.deadline_problem(args)
-            if problem:
-                break
-            time.sleep(0.05)
+        problem = _supervise(
+            ev, args, lambda: all(p.exitcode is not None for p in procs),
+            lambda: any(p.exitcode not in (None, 0) for p in procs),
+            "peers of a failed rank did not exit")
     finally:
         stuck = _stop(procs)
         ev.poll()  # rows written just before the exit
@@ -984,22 +991,10 @@ def run_mpi_config(backend: str, world_size: int, args, rep: Reporter) -> None:
                 rep.error(backend, world_size, "unavailable",
                           f"cannot start {mpirun}: {type(e).__name__}: {e}")
                 return
-        fatal_at = None
-        while True:
-            ev.poll()
-            code = proc.poll()
-            if code is not None:
-                break
-            now = time.monotonic()
-            if (ev.fatal_seen or _read_fatals(rundir, world_size)) and fatal_at is None:
-                fatal_at = now
-            if fatal_at is not None and now - fatal_at > args.fail_grace:
-                problem = "mpirun did not end the job after a rank failed"
-                break
-            problem = ev.deadline_problem(args)
-            if problem:
-                break
-            time.sleep(0.05)
+        problem = _supervise(
+            ev, args, lambda: proc.poll() is not None,
+            lambda: ev.fatal_seen or bool(_read_fatals(rundir, world_size)),
+            "mpirun did not end the job after a rank failed")
     finally:
         stuck = _stop_mpirun(proc, rundir) if proc is not None else False
         ev.poll()

@@ -38,7 +38,7 @@ import time
 import traceback
 from pathlib import Path
 
-from benchmarks.bench import _stop  # terminate, then kill, stragglers (one implementation)
+from benchmarks.bench import _csv, _stop  # the CLI list parser; terminate, then kill, stragglers
 
 __all__ = ["MODELS", "run_benchmark", "format_table", "main"]
 
@@ -537,10 +537,6 @@ def _header(args) -> dict:
                          "warmup": args.warmup, "seed": args.seed, "timeout": args.timeout,
                          "threads_per_rank": 1, "lr": LR, "rtol": RTOL, "atol": ATOL,
                          "batch": {m: MODELS[m][0] for m in args.models}}}
-
-
-def _csv(text):
-    return [x.strip() for x in str(text).split(",") if x.strip()]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -31,7 +31,7 @@ import numpy as np
 from shmcoll import ReduceOp
 
 __all__ = [
-    "DTYPES", "COUNTS", "LARGE_COUNT", "SMALL_SLOT_ENV", "PREMUL", "valid_ops", "invalid_ops",
+    "DTYPES", "COUNTS", "LARGE_COUNT", "LAYOUT_CASES", "SMALL_SLOT_ENV", "PREMUL", "valid_ops", "invalid_ops",
     "make_input", "reference_reduce", "check_all_reduce", "check_broadcast", "check_reduce",
     "check_all_gather", "check_reduce_scatter", "check_gather", "check_scatter",
     "check_all_to_all", "check_barrier", "check_unsupported_ops", "run_cases",
@@ -46,6 +46,8 @@ SMALL_SLOT_ENV = {"SHMCOLL_SLOT_BYTES": str(SMALL_SLOT_BYTES)}
 # odd, and not a multiple of any world size, so chunk and slice edges are uneven.
 LARGE_COUNT = 70001
 COUNTS = (0, 1, 3333, LARGE_COUNT)
+# (count, layout) of the non-contiguous and 0-d cases every in-place collective runs
+LAYOUT_CASES = ((3333, "strided"), (3333, "strided2d"), (1, "0d"), (0, "strided"))
 PREMUL = -1.5  # dyadic: pre-scaling stays exact
 
 _FLOATS = ("float16", "bfloat16", "float32", "float64")

@@ -7,7 +7,8 @@ import pytest
 
 import harness
 from cases import (assert_rank_results, case_name, check_all_reduce, check_unsupported_ops,
-                   COUNTS, DTYPES, group_cases, run_cases, SMALL_SLOT_ENV, valid_ops)
+                   COUNTS, DTYPES, group_cases, LAYOUT_CASES, run_cases, SMALL_SLOT_ENV,
+                   valid_ops)
 from shmcoll import ReduceOp
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
@@ -27,8 +28,7 @@ def _sweep(group, rank, world_size, seed):
                                                 seed)))
     for dtype in DTYPES:
         op = valid_ops(dtype)[-1]  # PREMUL_SUM / BXOR: the least common paths
-        for count, layout in ((3333, "strided"), (3333, "strided2d"), (1, "0d"),
-                              (0, "strided")):
+        for count, layout in LAYOUT_CASES:
             cases.append((case_name("all_reduce", count=count, dtype=dtype, op=op,
                                     layout=layout),
                           functools.partial(check_all_reduce, group, count, dtype, op,

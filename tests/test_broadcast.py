@@ -7,7 +7,7 @@ import pytest
 
 import harness
 from cases import (assert_rank_results, case_name, check_broadcast, COUNTS, DTYPES, group_cases,
-                   SMALL_SLOT_ENV)
+                   LAYOUT_CASES, SMALL_SLOT_ENV)
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
@@ -26,8 +26,7 @@ def _sweep(group, rank, world_size, seed):
                                                 seed)))
     for dtype in DTYPES:
         root = world_size - 1
-        for count, layout in ((3333, "strided"), (3333, "strided2d"), (1, "0d"),
-                              (0, "strided")):
+        for count, layout in LAYOUT_CASES:
             cases.append((case_name("broadcast", count=count, dtype=dtype, root=root,
                                     layout=layout),
                           functools.partial(check_broadcast, group, count, dtype, root,
