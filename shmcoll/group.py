@@ -154,7 +154,7 @@ class Group:
         except BaseException as e:
             entry["state"], entry["t_end"] = "failed", time.time()
             self._poison = e
-            arena.set_state(1)  # STATE_ABORTED: peers waiting for us fail fast
+            arena.abort_at(seq)  # peers waiting for us (at seq or later) fail fast
             if isinstance(e, CollectiveTimeoutError):
                 self.dump_flight_record()
             raise

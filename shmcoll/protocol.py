@@ -48,8 +48,11 @@ Rules (each rank, for every collective, in the same order on every rank):
    mismatch raises CollectiveMismatchError on every rank before any peer data is read. All
    ranks posted exactly once for it, so counters stay aligned and the group stays usable
    (the slots it published are released again: nobody read them). The same check refuses
-   to complete a collective when a peer's STATE says ABORTED (it failed this or an earlier
-   collective), so a late rank fails at the same collective as its peers.
+   to complete a collective when a peer's STATE says ABORTED and its SEQ is not past this
+   one (it failed this or an earlier collective), so a late rank fails at the same
+   collective as its peers. A rank that fails collective s stores SEQ = s before STATE
+   (abort_at), so a peer whose SEQ is past mine finished mine and failed a later one: mine
+   completes (its data stays put by rule 6) and the next one fails.
 5. A wait that does not complete at once checks, between short sleeps, its own STATE
    (abort()), every missing peer's liveness (pidfd) and STATE (CLOSED / ABORTED), and the
    deadline: a dead or closed peer -> PeerLostError naming its rank and pid; an aborted one
@@ -273,6 +276,8 @@ class Arena:
         self._peer_posted = np.array(
             [ctrl[p].ctypes.data + W_POSTED * LINE_WORDS * 8 for p in self._peers], np.int64)
         self._posted_addrs = [c.ctypes.data + W_POSTED * LINE_WORDS * 8 for c in ctrl]
+        self._state_addrs = [c.ctypes.data + W_STATE * LINE_WORDS * 8 for c in ctrl]
+        self._seq_addrs = [c.ctypes.data + W_SEQ * LINE_WORDS * 8 for c in ctrl]
         self._peer_state = np.array(
             [ctrl[p].ctypes.data + W_STATE * LINE_WORDS * 8 for p in self._peers], np.int64)
         self._seq_addr = ctrl[rank].ctypes.data + W_SEQ * LINE_WORDS * 8
@@ -602,12 +607,16 @@ class Arena:
                     other += " with a different shape or split sizes"
                 raise CollectiveMismatchError(
                     f"seq {self._seq}: rank {self.rank} called {ours} but rank {p} called {other}")
-        # A peer that aborted (timeout, lost peer, abort()) failed this collective or an
+        # A peer that aborted (timeout, lost peer, abort()) at this collective or an
         # earlier one: do not complete it here with the data it left behind, so that every
-        # rank fails at the same collective (a late rank woken by SIGCONT included).
-        # CLOSED is not checked: a peer may finish the last collective and close at once.
+        # rank fails at the same collective (a late rank woken by SIGCONT included). One
+        # whose SEQ is past mine finished mine (it could not begin the next before), so
+        # its abort belongs to a later collective: STATE is read first, and abort_at stores
+        # SEQ before STATE. CLOSED is not checked: a peer may finish the last collective
+        # and close at once.
         for p in self._peers:
-            if self._ctrl[p][W_STATE * LINE_WORDS] == STATE_ABORTED:
+            if (read_acquire(self._state_addrs[p]) == STATE_ABORTED
+                    and read_acquire(self._seq_addrs[p]) <= self._seq):
                 for q in self._peers:  # name the lost rank the aborting peer noticed
                     if not self._is_alive(q):
                         raise self._lost_error(q, int(self._ctrl[q][W_STATE * LINE_WORDS]))
@@ -625,6 +634,13 @@ class Arena:
     def set_state(self, state):
         """Announce abort/close to peers (and wake my own waiter on abort)."""
         write_release(self._state_addr, state)
+
+    def abort_at(self, seq):
+        """Announce that I failed collective `seq`: SEQ first, then STATE = ABORTED, so a
+        peer that reads ABORTED also sees which collective failed (rule 4). A failure before
+        the collective's first post would otherwise leave SEQ at the previous one."""
+        write_release(self._seq_addr, seq)
+        write_release(self._state_addr, STATE_ABORTED)
 
     def is_peer_alive(self, peer):
         return self._is_alive(peer)

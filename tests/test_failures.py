@@ -270,6 +270,47 @@ def test_abort_from_another_thread_frees_blocked_collective(tmp_path, api):
     assert not job.events(0, "close_error") and not job.events(1, "close_error")
 
 
+def _arena_pair(ws=2):
+    """`ws` in-process Arenas over plain memory (no processes): one rank's steps can be
+    interleaved with another's deterministically."""
+    from shmcoll import protocol
+    layout = protocol.RegionLayout(4096, 2)
+    regions = [np.zeros(layout.nbytes, np.uint8) for _ in range(ws)]
+    return [protocol.Arena(regions, r, layout, lambda p: True) for r in range(ws)]
+
+
+def test_peer_aborting_a_later_collective_does_not_fail_this_one():
+    """Guards (CI flake of test_gloo_seeds::test_timeouts): rank 0 finishes seq 1 (rank 1
+    has posted), begins seq 2 and fails it (a 1 ms timeout) before rank 1, descheduled, got
+    to its fingerprint check of seq 1. Rank 1 must complete seq 1 -- everything it reads is
+    there -- and fail at seq 2, where rank 0 failed. A peer that aborted AT seq 1 (or fails
+    before seq 2's first post, SEQ not yet written by a post) still fails seq 1's check."""
+    from shmcoll.errors import GroupAbortedError
+    fp = (2, 3, 1, 0, 0, 1234)
+    # rank 0 aborts the next collective: rank 1 completes seq 1, fails seq 2
+    a0, a1 = _arena_pair()
+    a0.begin(1, "barrier", fp, 5.0)
+    a1.begin(1, "barrier", fp, 5.0)
+    a1._write_fp()
+    a1.post()  # rank 1 posted seq 1 and was descheduled before its check
+    a0.exchange()  # rank 0 completes seq 1
+    a0.begin(2, "all_reduce", fp, 0.001)
+    a0.abort_at(2)  # rank 0 fails seq 2 before its first post there
+    a1.wait_all()  # no error: rank 0 finished seq 1
+    a1.begin(2, "all_reduce", fp, 5.0)
+    with pytest.raises(GroupAbortedError, match="rank 0 aborted the group"):
+        a1.exchange()
+    # rank 0 aborts seq 1 itself after posting it: rank 1 fails seq 1
+    a0, a1 = _arena_pair()
+    for a in (a0, a1):
+        a.begin(1, "barrier", fp, 5.0)
+        a._write_fp()
+        a.post()
+    a0.abort_at(1)
+    with pytest.raises(GroupAbortedError, match="before rank 1 reached seq 1"):
+        a1.wait_all()
+
+
 # ====================================================================== 4. mismatches
 
 # rank 0's side / the others' side, as describe_fingerprint renders them
