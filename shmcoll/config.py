@@ -25,6 +25,10 @@ class Config:
     # 4 MiB-slot broadcast: 0.34 s): the ring's size sets how often the ranks hand over.
     p2p_cell_nbytes: int = 64 << 10
     p2p_cells: int = 0
+    # "auto": large collectives read peers' buffers in place (process_vm_readv) when every
+    # rank can (single_copy.py, algorithms.SINGLE_COPY_MIN); "off": always through the
+    # slots; "always": single-copy at every size where it can (tests, measurements).
+    single_copy: str = "auto"
 
 
 P2P_AUTO_REGION_NBYTES = 2 * MIB
@@ -47,6 +51,7 @@ _ENV = {
     "SHMCOLL_SHM_DIR": ("shm_dir", str),
     "SHMCOLL_P2P_CELL_BYTES": ("p2p_cell_nbytes", int),
     "SHMCOLL_P2P_CELLS": ("p2p_cells", int),
+    "SHMCOLL_SINGLE_COPY": ("single_copy", str),
 }
 
 
@@ -64,6 +69,9 @@ def from_env(environ=None, **overrides):
     cfg = Config(**values)
     if cfg.spin not in ("auto", "spin", "yield"):
         raise ValueError(f"SHMCOLL_SPIN must be auto, spin or yield, got {cfg.spin!r}")
+    if cfg.single_copy not in ("auto", "always", "off"):
+        raise ValueError(f"SHMCOLL_SINGLE_COPY must be auto, always or off, got "
+                         f"{cfg.single_copy!r}")
     if cfg.p2p_cells < 0 or cfg.p2p_cell_nbytes < 64 or cfg.p2p_cell_nbytes % 64:
         raise ValueError(f"SHMCOLL_P2P_CELLS must be >= 0 (0 = auto) and SHMCOLL_P2P_CELL_BYTES "
                          f"a positive multiple of 64, got {cfg.p2p_cells} and "

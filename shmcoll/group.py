@@ -87,13 +87,15 @@ class Group:
     """
 
     def __init__(self, arena, rank, world_size, timeout_s=1800.0, direct_max_nbytes=-1,
-                 closers=(), name="", aborter=None):
+                 closers=(), name="", aborter=None, single_copy_always=False):
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = float(timeout_s)
         self.name = name
         self._arena = arena
         self._direct_max = direct_max_nbytes
+        self._single_copy = arena.single_copy if arena is not None else 0
+        self._single_copy_always = single_copy_always
         self._closers = list(closers)
         self._aborter = aborter
         self._seq = 0
@@ -179,7 +181,8 @@ class Group:
             raise ValueError(f"{name}: invalid root rank {root} (world size {self.world_size})")
 
     def _select(self, name, nbytes):
-        return algorithms.select(name, nbytes, self.world_size, self._direct_max)
+        return algorithms.select(name, nbytes, self.world_size, self._direct_max,
+                                 self._single_copy, self._single_copy_always)
 
     # -- collectives ---------------------------------------------------------------------
 
@@ -206,7 +209,7 @@ class Group:
             flat = f.flat
         nbytes = flat.nbytes
         algo = _local_reduce if self._arena is None else \
-            algorithms.select("all_reduce", nbytes, self.world_size, self._direct_max)
+            self._select("all_reduce", nbytes)
         self._run("all_reduce", (dt.code, flat.size, 0, int(op), _shape(array)), algo,
                   flat, spec, timeout_s=timeout_s, nbytes=nbytes)
         if f is not None:
@@ -254,14 +257,16 @@ class Group:
             src = array if array.flags.c_contiguous else np.ascontiguousarray(array)
             self._run("all_gather", (_code_of(array), src.size, 0, 0, _shape(array)),
                       _local_all_gather if self._arena is None else
-                      algorithms.select("all_gather", src.nbytes, self.world_size),
+                      self._select("all_gather", src.nbytes),
                       _bytes(src), _bytes(outs), timeout_s=timeout_s, nbytes=src.nbytes)
             return outs
         outs, whole = self._split_out("all_gather", outs, array)
         src = np.ascontiguousarray(array)
         flats = [_Flat(o, o.dtype, copy_in=False) for o in outs]
-        self._run("all_gather", (_code_of(array), src.size, 0, 0, _shape(array)),
-                  _local_all_gather if self._arena is None else self._select("all_gather", src.nbytes),
+        # root word 1: the list form moves its bytes in other steps than the one-array
+        # form (and never single-copy), so a rank calling the other form must mismatch
+        self._run("all_gather", (_code_of(array), src.size, 1, 0, _shape(array)),
+                  _local_all_gather if self._arena is None else self._select("all_gather", 0),
                   _bytes(src), [_bytes(f.flat) for f in flats], timeout_s=timeout_s,
                   nbytes=src.nbytes)
         for f in flats + whole:
@@ -282,14 +287,17 @@ class Group:
             blocks = _bytes(ins).view(dt.storage)
             sizes = (out.size,) * self.world_size
             nbytes = blocks.nbytes
+            form = 0
         else:
             ins = self._split_in("reduce_scatter", ins, out)
             blocks = [np.ascontiguousarray(a).reshape(-1).view(dt.storage) for a in ins]
             sizes = tuple(b.size for b in blocks)
             nbytes = sum(b.nbytes for b in blocks)
+            form = 1  # the root word: the list form takes other steps (see all_gather)
         f = _Flat(out, dt.storage, copy_in=False)
-        algo = _local_reduce_scatter if self._arena is None else self._select("reduce_scatter", 0)
-        self._run("reduce_scatter", (dt.code, sum(sizes), 0, int(op), _shape(None, sizes)),
+        algo = _local_reduce_scatter if self._arena is None else \
+            self._select("reduce_scatter", nbytes if form == 0 else 0)
+        self._run("reduce_scatter", (dt.code, sum(sizes), form, int(op), _shape(None, sizes)),
                   algo, blocks, f.flat, spec, timeout_s=timeout_s, nbytes=nbytes)
         f.write_back()
         return out

@@ -14,11 +14,15 @@ ranks' writers never share a cache line, nor do adjacent-line prefetches pair th
            |  16 group token (16 B)        32 world_size  40 rank         |
            |  48 owner pid  56 region nbytes  64 slot nbytes  72 nslots   |
            |  80 p2p cells  88 p2p cell nbytes                            |
+           |  96 address of this region in the owner's address space      |
+           |     (single_copy.probe reads the header back through it)     |
     4096   +-------------------------------------------------------------+
            | control block: CTRL_LINES lines x 128 B, one i64 per line    |
            |   line 0  POSTED  monotonic step counter (only owner writes) |
            |   line 1  STATE   0 = live, 1 = aborted, 2 = closed          |
            |   line 2  SEQ     seq of the collective the owner is in      |
+           |   line 3  BUF     address, nbytes of the owner's user buffer |
+           |           in its own address space (single-copy paths)       |
            |   line 4+k FP[k]  fingerprint of seq with seq % FP_RING == k |
            |           (words: seq, step, collective, dtype, count, root,  |
            |            op, extra)                                         |
@@ -77,6 +81,7 @@ notification), read on the slow path and once per collective at the fingerprint 
 validated on attach (shm.py) and fingerprints are compared, never used as lengths.
 """
 
+import errno
 import time
 
 import numba
@@ -85,11 +90,14 @@ import numpy as np
 from .atomics import cas_acq_rel, copy_bytes, cpu_pause, load_acquire, monotonic_ns, \
     read_acquire, sched_yield, store_release, wait_all_ge, write_release
 from .kernels import reduce_any
+from .single_copy import CMA, NONE, PIECE_NBYTES, errno_text, gather_from_peers, \
+    reduce_from_peers
 from .errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
     GroupAbortedError,
     PeerLostError,
+    ShmcollError,
 )
 
 __all__ = [
@@ -106,7 +114,7 @@ __all__ = [
 ]
 
 MAGIC = int.from_bytes(b"SHMCOLL\x01", "little")
-LAYOUT_VERSION = 2  # 2: p2p area and its header fields
+LAYOUT_VERSION = 3  # 2: p2p area and its header fields; 3: BUF line, header map address
 HEADER_NBYTES = 4096
 LINE_NBYTES = 128  # two 64-byte lines: defeats the adjacent-line prefetcher pairing lines
 LINE_WORDS = LINE_NBYTES // 8
@@ -115,14 +123,15 @@ FP_RING = 4  # a peer can be at most one collective ahead (rule 4), so 2 would d
 FP_WORDS = 8
 DATA_ALIGN = 4096
 
-W_POSTED, W_STATE, W_SEQ = 0, 1, 2
+W_POSTED, W_STATE, W_SEQ, W_BUF = 0, 1, 2, 3
 FP_LINE0 = 4
 STATE_LIVE, STATE_ABORTED, STATE_CLOSED = 0, 1, 2
 
 _H_MAGIC, _H_VERSION, _H_TOKEN, _H_WORLD, _H_RANK = 0, 8, 16, 32, 40
 _H_PID, _H_NBYTES, _H_SLOT, _H_NSLOTS = 48, 56, 64, 72
-_H_P2P_CELLS, _H_P2P_CELL = 80, 88
-_H_WORDS_END = 96
+_H_P2P_CELLS, _H_P2P_CELL, _H_MAP_ADDR = 80, 88, 96
+_H_WORDS_END = 104
+HEADER_PROBE_NBYTES = _H_WORDS_END  # what single_copy.probe reads back (token included)
 
 # Wait tiers (see DESIGN_NOTES §14), all inside the compiled wait (atomics.wait_all_ge):
 # SPINS pause-polls (~10 us): brief, because on a VM a long PAUSE loop can trigger
@@ -217,6 +226,7 @@ def write_header(region, layout, token, world_size, rank, pid):
     words[_H_NSLOTS // 8] = layout.nslots
     words[_H_P2P_CELLS // 8] = layout.p2p_cells
     words[_H_P2P_CELL // 8] = layout.p2p_cell_nbytes
+    words[_H_MAP_ADDR // 8] = region.ctypes.data
 
 
 def read_header(region):
@@ -236,6 +246,7 @@ def read_header(region):
         "nslots": int(words[_H_NSLOTS // 8]),
         "p2p_cells": int(words[_H_P2P_CELLS // 8]),
         "p2p_cell_nbytes": int(words[_H_P2P_CELL // 8]),
+        "map_addr": int(words[_H_MAP_ADDR // 8]),
     }
 
 
@@ -251,12 +262,14 @@ class Arena:
     `is_alive(peer)` reports whether the peer's process/thread still runs; `describe(fp)`
     renders a fingerprint tuple for error messages. `gil_turn` (rank threads of one
     process only) = (address of their shared "Python turn" word, this thread's non-zero id
-    in it): see _gil_leave. Not thread-safe: the owning group runs one
+    in it): see _gil_leave. `single_copy` (single_copy.NONE / IN_PROCESS / CMA): how a
+    peer's user buffer can be read where it lies (exchange_buffer, reduce_peers,
+    gather_peers); NONE: only through the slots. Not thread-safe: the owning group runs one
     collective at a time.
     """
 
     def __init__(self, regions, rank, layout, is_alive, describe=None, oversubscribed=False,
-                 pids=None, gil_turn=None):
+                 pids=None, gil_turn=None, single_copy=NONE):
         self.rank = rank
         self.world_size = len(regions)
         self.layout = layout
@@ -267,6 +280,9 @@ class Arena:
         self._describe = describe or (lambda fp: repr(fp))
         # Owner pid of every region, for error messages only (never trusted for anything else).
         self._pids = list(pids) if pids is not None else [_header_pid(reg) for reg in regions]
+        self.single_copy = single_copy
+        self._pid_arr = np.array([p or 0 for p in self._pids], np.int64)
+        self._scratch = None  # single-copy reductions' pieces, allocated on first use
         ctrl = [reg[layout.ctrl_offset:layout.data_offset].view(np.int64) for reg in regions]
         self._ctrl = ctrl
         self._mine = ctrl[rank]
@@ -278,6 +294,7 @@ class Arena:
         self._posted_addrs = [c.ctypes.data + W_POSTED * LINE_WORDS * 8 for c in ctrl]
         self._state_addrs = [c.ctypes.data + W_STATE * LINE_WORDS * 8 for c in ctrl]
         self._seq_addrs = [c.ctypes.data + W_SEQ * LINE_WORDS * 8 for c in ctrl]
+        self._buf_words = [W_BUF * LINE_WORDS + k for k in range(2)]
         self._peer_state = np.array(
             [ctrl[p].ctypes.data + W_STATE * LINE_WORDS * 8 for p in self._peers], np.int64)
         self._seq_addr = ctrl[rank].ctypes.data + W_SEQ * LINE_WORDS * 8
@@ -475,6 +492,65 @@ class Arena:
                 self._step = step0 + nsub
                 return
 
+    # -- single copy (see single_copy.py) ------------------------------------------------
+
+    def exchange_buffer(self, arr):
+        """Publish the address of my 1-D array `arr` (its bytes stay where they are), post
+        and wait for every peer (exchange()); return every rank's buffer address, each in
+        its owner's address space (int64 array, mine included). Peers' buffers are only
+        read through reduce_peers / gather_peers, between this wait and my next post."""
+        words = self._buf_words
+        self._mine[words[0]] = arr.ctypes.data
+        self._mine[words[1]] = arr.nbytes
+        self.exchange()
+        addrs = np.empty(self.world_size, np.int64)
+        for p, c in enumerate(self._ctrl):
+            if p != self.rank and c[words[1]] != arr.nbytes:
+                raise ShmcollError(
+                    f"{self._op_name} (seq {self._seq}): rank {p} published a buffer of "
+                    f"{int(c[words[1]])} bytes, rank {self.rank} one of {arr.nbytes} (a "
+                    f"corrupt control block?)")
+            addrs[p] = c[words[0]]
+        return addrs
+
+    def reduce_peers(self, addrs, out, offset, spec):
+        """out[i] = the reduction (ops.ReduceSpec) in rank order of every rank's element
+        at addrs[p] + offset + i * itemsize (addrs from exchange_buffer; mine may be `out`
+        itself)."""
+        piece = max(1, PIECE_NBYTES // out.itemsize)
+        scratch = self._scratch_for(piece * out.itemsize)
+        peer, err = reduce_from_peers(self.single_copy, self._pid_arr, addrs, self.rank, out,
+                                      offset, scratch.view(out.dtype), piece, spec.op,
+                                      spec.pre, spec.post, spec.kind == "bfloat16")
+        if peer >= 0:
+            raise self._read_error(peer, err)
+
+    def gather_peers(self, peers, remote, local, nbytes):
+        """Copy nbytes[k] bytes at remote[k] in rank peers[k]'s address space to local[k]
+        (int64 arrays; the ranges were published with exchange_buffer)."""
+        peer, err = gather_from_peers(self.single_copy, self._pid_arr, self.rank, peers,
+                                      remote, local, nbytes)
+        if peer >= 0:
+            raise self._read_error(peer, err)
+
+    def _scratch_for(self, piece_nbytes):
+        need = piece_nbytes * max(1, self.world_size - 1) if self.single_copy == CMA else 64
+        if self._scratch is None or self._scratch.nbytes < need:
+            raw = np.empty(need + 4096, np.uint8)
+            start = -raw.ctypes.data % 4096
+            self._scratch = raw[start:start + need]
+        return self._scratch
+
+    def _read_error(self, peer, err):
+        """The error of a failed single-copy read from `peer` (-errno `err`)."""
+        state = int(self._ctrl[peer][W_STATE * LINE_WORDS])
+        if -err == errno.ESRCH or not self._is_alive(peer) or state == STATE_CLOSED:
+            return self._lost_error(peer, state)
+        return ShmcollError(
+            f"{self._op_name} (seq {self._seq}): rank {self.rank} could not read rank "
+            f"{peer}'s buffer (pid {self._pids[peer]}): process_vm_readv failed with "
+            f"{errno_text(err)}")
+
     def _fp_args(self):
         """(fingerprint words, my FP line address, peers' FP line addresses) for a kernel:
         address 0 once the fingerprint is out (the kernel then neither writes nor checks)."""
@@ -666,7 +742,9 @@ def warm_up(storage=_STORAGE):
         _stream_kernel(STREAM_REDUCE, a, 0, 0, 64, 0, 0, 0, *fp, w, 0, w + 8, 0, none, none,
                        none, 0, 0, w + 16, True, srcs, 0, 0, 1.0, 1.0, False, _NO_BYTES, 0, 0)
         _reduce_chunk(a, 0, 0, srcs, 0, 0, 1.0, 1.0, False)
+        reduce_from_peers(CMA, none, srcs, 0, a[:0], 0, a, 1, 0, 1.0, 1.0, False)
     _wait_kernel(none, 0, 0, 0, w + 16, 0, 0)
+    gather_from_peers(CMA, none, 0, none, none, none, none)
 
 
 _FP_PAD = [[0] * (FP_WORDS - n) for n in range(FP_WORDS + 1)]

@@ -30,6 +30,7 @@ import numpy as np
 import posix_ipc
 
 from . import protocol
+from . import single_copy as single_copy_mod
 from .errors import SegmentError
 
 __all__ = ["ShmRegions", "segment_prefix", "gc_stale", "PidLiveness"]
@@ -154,7 +155,8 @@ class PidLiveness:
 class ShmRegions:
     """The mapped regions of one group: mine (created) and every peer's (attached)."""
 
-    def __init__(self, store, rank, world_size, layout, timeout_s, shm_dir="/dev/shm"):
+    def __init__(self, store, rank, world_size, layout, timeout_s, shm_dir="/dev/shm",
+                 single_copy="auto"):
         self.rank = rank
         self.world_size = world_size
         self.layout = layout
@@ -163,6 +165,10 @@ class ShmRegions:
         self._maps = []
         self._my_name = None
         self._unlinked = False
+        # single_copy.CMA when every rank can read every peer's memory (process_vm_readv),
+        # else single_copy.NONE; the same on every rank (agreed in the rendezvous).
+        self.single_copy = single_copy_mod.NONE
+        self._want_single_copy = single_copy != "off"
         try:
             self._rendezvous(store, timeout_s, shm_dir)
         except BaseException:
@@ -191,14 +197,28 @@ class ShmRegions:
                 self.regions[peer], self.pids[peer] = self._attach(name, token, peer)
         # NOTE: order matters: unlink only after every peer has attached, or a slow peer
         # would find no segment; after this point nothing can leak.
-        store.set(f"{base}/attached/{self.rank}", "1")
+        # The value says whether I can read every peer's memory ("2") or not ("1"): the
+        # group goes single-copy only if every rank can (ptrace access is not symmetric).
+        can = self._want_single_copy and all(
+            self._probe(peer) for peer in range(self.world_size) if peer != self.rank)
+        store.set(f"{base}/attached/{self.rank}", "2" if can else "1")
         for peer in range(self.world_size):
             if peer != self.rank:
                 # A rank killed during init must not leave its peers waiting for the store's
                 # timeout: the wait ends as soon as its pid exits.
-                _wait_key(store, f"{base}/attached/{peer}", deadline, timeout_s,
-                          f"rank {peer} (pid {self.pids[peer]})", pid=self.pids[peer])
+                value = _wait_key(store, f"{base}/attached/{peer}", deadline, timeout_s,
+                                  f"rank {peer} (pid {self.pids[peer]})", pid=self.pids[peer])
+                can = can and value == "2"
+        self.single_copy = single_copy_mod.CMA if can else single_copy_mod.NONE
         self.unlink()
+
+    def _probe(self, peer):
+        """Whether process_vm_readv can read `peer`'s memory: its header, read through the
+        address the peer mapped it at, must equal the header we see in shared memory."""
+        region = self.regions[peer]
+        addr = protocol.read_header(region)["map_addr"]
+        return addr != 0 and single_copy_mod.probe(self.pids[peer], addr,
+                                                   region[:protocol.HEADER_PROBE_NBYTES])
 
     def _create(self, name, token):
         nbytes = self.layout.nbytes

@@ -31,11 +31,12 @@ def new_shm_group(store, rank, world_size, timeout_s=1800.0, cfg=None, name=""):
         return group
     layout = RegionLayout(cfg.slot_nbytes, cfg.nslots, world_size,
                           _config.p2p_cells(cfg, world_size), cfg.p2p_cell_nbytes)
-    regions = ShmRegions(store, rank, world_size, layout, timeout_s, cfg.shm_dir)
+    regions = ShmRegions(store, rank, world_size, layout, timeout_s, cfg.shm_dir,
+                         cfg.single_copy)
     liveness = PidLiveness(regions.pids)
     spin = {"spin": False, "yield": True}.get(cfg.spin, is_oversubscribed(world_size))
     arena = Arena(regions.regions, rank, layout, liveness, describe_fingerprint, oversubscribed=spin,
-                  pids=regions.pids)
+                  pids=regions.pids, single_copy=regions.single_copy)
     try:
         p2p = P2PEngine(regions.regions, rank, layout, liveness, oversubscribed=spin, name=name)
     except BaseException:
@@ -45,7 +46,7 @@ def new_shm_group(store, rank, world_size, timeout_s=1800.0, cfg=None, name=""):
     # NOTE: order matters: the p2p thread is joined before the regions are unmapped.
     group = Group(arena, rank, world_size, timeout_s, cfg.direct_max_nbytes,
                   closers=[p2p.close, liveness.close, regions.close], name=name,
-                  aborter=p2p.abort)
+                  aborter=p2p.abort, single_copy_always=cfg.single_copy == "always")
     group.attach_p2p(p2p)
     wait_ready()  # see warmup.py: a loader beside the first collectives slows them
     return group

@@ -24,6 +24,7 @@ import numpy as np
 from shmcoll.group import describe_fingerprint, is_oversubscribed
 from shmcoll.atomics import write_release
 from shmcoll.protocol import LINE_NBYTES, Arena, write_header
+from shmcoll.single_copy import IN_PROCESS, NONE
 
 __all__ = ["ThreadRegions", "RankStates", "new_thread_arena", "thread_liveness", "is_spin_off",
            "REGION_ALIGN_NBYTES"]
@@ -109,9 +110,12 @@ def is_spin_off(spin, world_size):
     return {"spin": False, "yield": True}.get(spin, is_oversubscribed(world_size))
 
 
-def new_thread_arena(regions, rank, states, global_ranks, spin="auto"):
+def new_thread_arena(regions, rank, states, global_ranks, spin="auto", single_copy="auto"):
     """protocol.Arena for group rank `rank` over `regions`; peer p is spawn rank
-    global_ranks[p] in `states`. spin: SHMCOLL_SPIN ("auto", "spin" or "yield")."""
+    global_ranks[p] in `states`. spin: SHMCOLL_SPIN ("auto", "spin" or "yield");
+    single_copy: SHMCOLL_SINGLE_COPY ("auto": rank threads read each other's buffers in
+    place, single_copy.IN_PROCESS; "off": through the slots)."""
+    single_copy = IN_PROCESS if single_copy != "off" else NONE
     return Arena(regions.regions, rank, regions.layout, thread_liveness(states, global_ranks),
                  describe_fingerprint, oversubscribed=is_spin_off(spin, regions.world_size),
-                 gil_turn=states.gil_turn(global_ranks[rank]))
+                 gil_turn=states.gil_turn(global_ranks[rank]), single_copy=single_copy)

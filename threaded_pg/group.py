@@ -246,7 +246,8 @@ def new_threaded_group(rendezvous, rank, world_size, name="", timeout_s=1800.0,
         key, regions = rendezvous.join(name, rank, world_size, global_rank)
         layout = regions.layout
     arena = None if world_size == 1 else \
-        new_thread_arena(regions, rank, rendezvous.states, global_ranks, cfg.spin)
+        new_thread_arena(regions, rank, rendezvous.states, global_ranks, cfg.spin,
+                         cfg.single_copy)
     p2p = _LazyP2P(lambda: P2PEngine(regions.regions, rank, layout,
                                      thread_liveness(rendezvous.states, global_ranks),
                                      oversubscribed=is_spin_off(cfg.spin, world_size), name=name))
@@ -254,7 +255,8 @@ def new_threaded_group(rendezvous, rank, world_size, name="", timeout_s=1800.0,
     # NOTE: order matters: the p2p thread is joined before the instance is released.
     record.group = Group(arena, rank, world_size, timeout_s, cfg.direct_max_nbytes,
                          closers=[p2p.close, lambda: rendezvous.leave(key, record)],
-                         name=name, aborter=p2p.abort)
+                         name=name, aborter=p2p.abort,
+                         single_copy_always=cfg.single_copy == "always")
     record.group.attach_p2p(p2p)
     rendezvous.track(record)
     return record.group

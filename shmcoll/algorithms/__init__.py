@@ -4,17 +4,18 @@ Each algorithm lives in the module named after its collective and talks only to 
 seam (protocol.Arena), so the process engine and the threaded engine run the same code.
 """
 
-from .all_gather import all_gather_direct
-from .all_reduce import all_reduce_one_shot, all_reduce_two_shot
+from ..single_copy import CMA, IN_PROCESS, NONE
+from .all_gather import all_gather_direct, all_gather_single_copy
+from .all_reduce import all_reduce_one_shot, all_reduce_single_copy, all_reduce_two_shot
 from .all_to_all import all_to_all_direct
 from .barrier import barrier_flags
-from .broadcast import broadcast_direct
+from .broadcast import broadcast_direct, broadcast_single_copy
 from .gather import gather_direct
 from .reduce import reduce_direct
-from .reduce_scatter import reduce_scatter_direct
+from .reduce_scatter import reduce_scatter_direct, reduce_scatter_single_copy
 from .scatter import scatter_direct
 
-__all__ = ["select", "ONE_SHOT_MAX_NBYTES"]
+__all__ = ["select", "ONE_SHOT_MAX_NBYTES", "SINGLE_COPY_MIN"]
 
 # all_reduce one-shot vs two-shot cut-over, by world size. One-shot reads N*S per rank and
 # needs one wait per chunk; two-shot reads ~2*S but needs two waits. At N=2 the byte counts
@@ -22,6 +23,24 @@ __all__ = ["select", "ONE_SHOT_MAX_NBYTES"]
 # Measured with benchmarks/bench.py on the 2-core dev VM (see README "Algorithm choice").
 ONE_SHOT_MAX_NBYTES = {2: 1 << 62, 3: 256 << 10, 4: 128 << 10}
 ONE_SHOT_MAX_NBYTES_DEFAULT = 64 << 10
+
+# Single-copy paths (peers' buffers read where they lie, see single_copy.py), by transport:
+# (min bytes per rank -- all_reduce: the buffer; reduce_scatter: the whole input --, min
+# world size). They need 2-3 waits where the slot paths need one per sub-chunk, so they win
+# only where the copy they save outweighs those waits. Measured (engine level, the 2-core
+# VM, slots vs single-copy in one run): CMA all_reduce at 2 ranks 1 MiB 218 vs 251 us, 4 MiB
+# 816 vs 520, 16 MiB 3850 vs 2562; at 4 ranks 4 MiB 3811 vs 2334; reduce_scatter 4 MiB
+# 609 vs 459 (2 ranks), 2241 vs 1733 (4). CMA broadcast lost at every size (the slot path
+# overlaps the root's copy-in with the readers' copy-out; one kernel copy does not) and
+# all_gather was a toss-up, so both stay on the slots. Rank threads (IN_PROCESS) pay for
+# each extra wait with GIL hand-overs: all_reduce wins only at 4+ ranks from 1 MiB
+# (1300 vs 1228 us at 4, 2604 vs 2026 at 8), reduce_scatter from 256 KiB (463 vs 389 at 4).
+SINGLE_COPY_MIN = {
+    CMA: {"all_reduce": (2 << 20, 2), "reduce_scatter": (2 << 20, 2)},
+    IN_PROCESS: {"all_reduce": (1 << 20, 4), "reduce_scatter": (256 << 10, 2)},
+}
+_SINGLE_COPY = {"all_reduce": all_reduce_single_copy, "all_gather": all_gather_single_copy,
+                "broadcast": broadcast_single_copy, "reduce_scatter": reduce_scatter_single_copy}
 
 _FIXED = {
     "broadcast": broadcast_direct,
@@ -35,11 +54,21 @@ _FIXED = {
 }
 
 
-def select(collective, nbytes, world_size, direct_max_nbytes=-1):
+def select(collective, nbytes, world_size, direct_max_nbytes=-1, single_copy=NONE,
+           single_copy_always=False):
     """The algorithm function for `collective` moving `nbytes` per rank among `world_size`.
 
     `direct_max_nbytes` >= 0 overrides the all_reduce one-shot threshold (SHMCOLL_DIRECT_MAX_BYTES).
+    `single_copy`: the group's single_copy transport (the same on every rank: agreed at init);
+    `single_copy_always` (SHMCOLL_SINGLE_COPY=always) takes its path at every size, for
+    tests and measurements.
     """
+    if single_copy != NONE and collective in _SINGLE_COPY:
+        if single_copy_always:
+            return _SINGLE_COPY[collective]
+        least = SINGLE_COPY_MIN[single_copy].get(collective)
+        if least is not None and nbytes >= least[0] and world_size >= least[1]:
+            return _SINGLE_COPY[collective]
     if collective == "all_reduce":
         limit = direct_max_nbytes
         if limit < 0:

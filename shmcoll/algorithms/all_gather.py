@@ -1,8 +1,10 @@
 """all_gather algorithms over an Arena (byte-level)."""
 
+import numpy as np
+
 from .all_reduce import STREAM_NBYTES
 
-__all__ = ["all_gather_direct"]
+__all__ = ["all_gather_direct", "all_gather_single_copy"]
 
 
 def all_gather_direct(arena, inp, outs):
@@ -31,3 +33,25 @@ def all_gather_direct(arena, inp, outs):
         arena.exchange(i, inp, start, n)
         for j, out in enumerate(outs):
             out[start:start + n] = arena.slot(i, j)[:n]
+
+
+def all_gather_single_copy(arena, inp, outs):
+    """One output array: every rank copies every peer's input straight from the peer's
+    buffer into its output (Arena.single_copy), its own from `inp`. A list of outputs
+    takes all_gather_direct.
+
+    Steps: 2. Bytes per rank: read and write N*S.
+    1. publish my input's address; post; wait for all (exchange_buffer).
+    2. copy my input and every peer's into the output; post; wait: nobody returns while
+       a peer still reads its input.
+    """
+    if isinstance(outs, list):
+        all_gather_direct(arena, inp, outs)
+        return
+    addrs = arena.exchange_buffer(inp)
+    rank, size = arena.rank, inp.nbytes
+    outs[rank * size:(rank + 1) * size] = inp
+    peers = np.array([p for p in range(arena.world_size) if p != rank], np.int64)
+    arena.gather_peers(peers, addrs[peers], outs.ctypes.data + peers * size,
+                       np.full(peers.size, size, np.int64))
+    arena.exchange()

@@ -6,7 +6,10 @@ accumulate in fp32 and round once), so every rank ends with bitwise-identical by
 
 from ..kernels import reduce_unchecked as reduce_into
 
-__all__ = ["all_reduce_one_shot", "all_reduce_two_shot", "STREAM_NBYTES"]
+import numpy as np
+
+__all__ = ["all_reduce_one_shot", "all_reduce_two_shot", "all_reduce_single_copy",
+           "STREAM_NBYTES"]
 
 # One-shot chunks stream through the slot in sub-chunks of this size (one step each; see
 # Arena.exchange_reduce). Measured at world size 2, interleaved A/B in one run (busbw GB/s,
@@ -55,3 +58,27 @@ def all_reduce_two_shot(arena, buf, spec):
         for j in range(world):
             lo, hi = n * j // world, n * (j + 1) // world
             buf[start + lo:start + hi] = arena.slot(i, j)[lo * itemsize:hi * itemsize].view(buf.dtype)
+
+
+def all_reduce_single_copy(arena, buf, spec):
+    """Reduce-scatter then all-gather straight between the ranks' own buffers
+    (Arena.single_copy: peers' buffers are read where they lie, nothing goes through the
+    slots; see single_copy.py). Rank r owns elements [n*r/N, n*(r+1)/N).
+
+    Steps: 3. Bytes per rank for S bytes: read S/N from each peer + S/N of mine, write S/N
+    (CMA: plus the S/N-per-peer scratch copy, in cache), then read and write (N-1)*S/N.
+    1. publish my buffer's address; post; wait for all (exchange_buffer).
+    2. reduce my part of every rank's buffer, in rank order, into my buffer; post; wait.
+    3. copy every peer's reduced part from its buffer into mine; post; wait: nobody
+       returns (and lets its caller overwrite the buffer) while a peer still reads it.
+    """
+    addrs = arena.exchange_buffer(buf)
+    world, rank, n, size = arena.world_size, arena.rank, buf.size, buf.itemsize
+    lo, hi = n * rank // world, n * (rank + 1) // world
+    arena.reduce_peers(addrs, buf[lo:hi], lo * size, spec)
+    arena.exchange()
+    peers = np.array([p for p in range(world) if p != rank], np.int64)
+    starts = peers * n // world * size
+    arena.gather_peers(peers, addrs[peers] + starts, buf.ctypes.data + starts,
+                       ((peers + 1) * n // world) * size - starts)
+    arena.exchange()

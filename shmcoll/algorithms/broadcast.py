@@ -1,6 +1,8 @@
 """broadcast algorithms over an Arena (byte-level: dtype-agnostic)."""
 
-__all__ = ["broadcast_direct"]
+import numpy as np
+
+__all__ = ["broadcast_direct", "broadcast_single_copy"]
 
 
 def broadcast_direct(arena, buf, root):
@@ -21,3 +23,19 @@ def broadcast_direct(arena, buf, root):
         else:
             arena.exchange()
             buf[start:start + n] = arena.slot(i, root)[:n]
+
+
+def broadcast_single_copy(arena, buf, root):
+    """Every non-root copies the root's buffer straight into its own (Arena.single_copy).
+
+    Steps: 2. Bytes: every non-root reads and writes S; the root moves nothing.
+    1. publish my buffer's address; post; wait for all (exchange_buffer).
+    2. non-roots copy the root's buffer; post; wait: the root does not return while a
+       peer still reads its buffer.
+    """
+    addrs = arena.exchange_buffer(buf)
+    if arena.rank != root:
+        arena.gather_peers(np.array([root], np.int64), addrs[root:root + 1],
+                           np.array([buf.ctypes.data], np.int64),
+                           np.array([buf.nbytes], np.int64))
+    arena.exchange()

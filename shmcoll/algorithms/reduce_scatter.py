@@ -2,7 +2,7 @@
 
 from ..kernels import reduce_unchecked as reduce_into
 
-__all__ = ["reduce_scatter_direct"]
+__all__ = ["reduce_scatter_direct", "reduce_scatter_single_copy"]
 
 
 def reduce_scatter_direct(arena, blocks, out, spec):
@@ -43,3 +43,22 @@ def reduce_scatter_direct(arena, blocks, out, spec):
         if n:
             reduce_into(out[start:start + n], arena.slot_addrs(i) + rank * per * itemsize,
                         spec.op, spec.kind, spec.pre, spec.post)
+
+
+def reduce_scatter_single_copy(arena, blocks, out, spec):
+    """One input array of world_size equal blocks (reduce_scatter_tensor): rank r reduces
+    block r of every rank's input straight from the peers' buffers (Arena.single_copy)
+    into its output. A list of blocks takes reduce_scatter_direct.
+
+    Steps: 2. Bytes per rank: read S/N from every rank (CMA: plus the scratch copy),
+    write S/N.
+    1. publish my input's address; post; wait for all (exchange_buffer).
+    2. reduce block[rank] of every rank's input, in rank order, into my output; post;
+       wait: nobody returns while a peer still reads its input.
+    """
+    if isinstance(blocks, list) or not blocks.size:
+        reduce_scatter_direct(arena, blocks, out, spec)
+        return
+    addrs = arena.exchange_buffer(blocks)
+    arena.reduce_peers(addrs, out, arena.rank * out.nbytes, spec)
+    arena.exchange()
