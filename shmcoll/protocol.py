@@ -125,6 +125,7 @@ DATA_ALIGN = 4096
 
 W_POSTED, W_STATE, W_SEQ, W_BUF = 0, 1, 2, 3
 FP_LINE0 = 4
+_BUF_ADDR, _BUF_NBYTES = W_BUF * LINE_WORDS, W_BUF * LINE_WORDS + 1  # ctrl words of BUF
 STATE_LIVE, STATE_ABORTED, STATE_CLOSED = 0, 1, 2
 
 _H_MAGIC, _H_VERSION, _H_TOKEN, _H_WORLD, _H_RANK = 0, 8, 16, 32, 40
@@ -294,10 +295,9 @@ class Arena:
         self._posted_addrs = [c.ctypes.data + W_POSTED * LINE_WORDS * 8 for c in ctrl]
         self._state_addrs = [c.ctypes.data + W_STATE * LINE_WORDS * 8 for c in ctrl]
         self._seq_addrs = [c.ctypes.data + W_SEQ * LINE_WORDS * 8 for c in ctrl]
-        self._buf_words = [W_BUF * LINE_WORDS + k for k in range(2)]
         self._peer_state = np.array(
             [ctrl[p].ctypes.data + W_STATE * LINE_WORDS * 8 for p in self._peers], np.int64)
-        self._seq_addr = ctrl[rank].ctypes.data + W_SEQ * LINE_WORDS * 8
+        self._seq_addr = self._seq_addrs[rank]
         fp_line = [[c.ctypes.data + (FP_LINE0 + k) * LINE_NBYTES for c in ctrl]
                    for k in range(FP_RING)]
         self._fp_addrs = [line[rank] for line in fp_line]
@@ -499,18 +499,17 @@ class Arena:
         and wait for every peer (exchange()); return every rank's buffer address, each in
         its owner's address space (int64 array, mine included). Peers' buffers are only
         read through reduce_peers / gather_peers, between this wait and my next post."""
-        words = self._buf_words
-        self._mine[words[0]] = arr.ctypes.data
-        self._mine[words[1]] = arr.nbytes
+        self._mine[_BUF_ADDR] = arr.ctypes.data
+        self._mine[_BUF_NBYTES] = arr.nbytes
         self.exchange()
         addrs = np.empty(self.world_size, np.int64)
         for p, c in enumerate(self._ctrl):
-            if p != self.rank and c[words[1]] != arr.nbytes:
+            if p != self.rank and c[_BUF_NBYTES] != arr.nbytes:
                 raise ShmcollError(
                     f"{self._op_name} (seq {self._seq}): rank {p} published a buffer of "
-                    f"{int(c[words[1]])} bytes, rank {self.rank} one of {arr.nbytes} (a "
+                    f"{int(c[_BUF_NBYTES])} bytes, rank {self.rank} one of {arr.nbytes} (a "
                     f"corrupt control block?)")
-            addrs[p] = c[words[0]]
+            addrs[p] = c[_BUF_ADDR]
         return addrs
 
     def reduce_peers(self, addrs, out, offset, spec):
