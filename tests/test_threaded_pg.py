@@ -27,6 +27,7 @@ import threaded_pg
 from shmcoll import CollectiveMismatchError, CollectiveTimeoutError, GroupAbortedError
 from shmcoll.protocol import HEADER_NBYTES, MAGIC, Arena, read_header
 from threaded_pg.arena import REGION_ALIGN_NBYTES, is_spin_off
+from threaded_pg.spawn import GROUP_TIMEOUT_MARGIN_S
 
 pytestmark = [pytest.mark.torch, pytest.mark.timeout(120)]
 
@@ -368,6 +369,33 @@ def test_spawn_timeout_reports_what_each_rank_is_blocked_in():
     assert "rank 1: not in a collective, at " in text and "time.sleep(0.01)" in text
     assert "last collective: all_reduce seq 1 (completed) on group '0'" in text
     assert elapsed < 2 + threaded_pg.runner.ABORT_GRACE_S + FAST_S
+
+
+def test_spawn_report_wins_over_collective_timeouts_when_the_caller_wakes_late(monkeypatch):
+    """Guards: the ranks' collective timeout outlasts the spawn's, so a caller thread that
+    wakes late (a loaded machine) still finds the ranks blocked in their collectives; with
+    equal timeouts they had failed by then and the report said "not in a collective"."""
+    late_s = 0.5
+    assert late_s < GROUP_TIMEOUT_MARGIN_S
+    wait = threaded_pg.runner._Run._wait_for_failure_or_end
+
+    def late_wait(self, deadline):
+        done = wait(self, deadline)
+        time.sleep(late_s)  # the caller thread descheduled right at the deadline
+        return done
+
+    monkeypatch.setattr(threaded_pg.runner._Run, "_wait_for_failure_or_end", late_wait)
+
+    def body(rank, ws):
+        if rank == 0:
+            dist.all_reduce(torch.ones(1))  # rank 1 never joins
+        else:
+            while True:
+                time.sleep(0.01)
+
+    _, err, _ = _timed(threaded_pg.spawn, body, 2, timeout=1)
+    assert isinstance(err, threaded_pg.SpawnTimeoutError), err
+    assert "rank 0: in all_reduce (seq 1, 4 bytes)" in str(err), err
 
 
 def test_collective_timeout_names_seq_group_and_missing_peer():

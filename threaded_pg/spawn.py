@@ -23,12 +23,19 @@ def spawn(fn, world_size, args=(), kwargs=None, timeout=DEFAULT_TIMEOUT_S, cfg=N
     """Run fn(rank, world_size, *args, **kwargs) on `world_size` rank threads; return the
     list of their return values, by rank.
 
-    `timeout` (seconds or timedelta) bounds the whole spawn and is also the groups'
-    collective timeout. `cfg` (shmcoll.config.Config) overrides SHMCOLL_* settings.
+    `timeout` (seconds or timedelta) bounds the whole spawn; the groups' collective
+    timeout is GROUP_TIMEOUT_MARGIN_S longer, so a stuck rank ends in the spawn's report. `cfg` (shmcoll.config.Config) overrides SHMCOLL_* settings.
     Raises RankFailedError ("rank r: <traceback>") or SpawnTimeoutError (what each rank
     was blocked in).
     """
     return _Spawn(fn, world_size, args, kwargs, timeout, cfg).run()
+
+
+# The groups' collective timeout exceeds the spawn's by this much. With equal timeouts the
+# ranks' own collective deadlines and the caller's spawn deadline fall in the same instant;
+# on a loaded machine the caller thread can wake a few ms late, find the ranks already
+# failing, and report them as "not in a collective" instead of what they were blocked in.
+GROUP_TIMEOUT_MARGIN_S = 1.0
 
 
 class _Spawn(_Run):
@@ -60,7 +67,8 @@ class _Spawn(_Run):
         world.bind()
         dist.init_process_group(self.backend, store=self.store, rank=rank,
                                 world_size=self.world_size,
-                                timeout=datetime.timedelta(seconds=self.timeout_s))
+                                timeout=datetime.timedelta(
+                                    seconds=self.timeout_s + GROUP_TIMEOUT_MARGIN_S))
         return self.fn(rank, self.world_size, *self.args, **self.kwargs)
 
     def _cleanup(self, rank):
