@@ -450,7 +450,12 @@ class Group:
     def abort(self):
         """Wake any collective blocked in this group (from any thread); poisons the group."""
         if self._arena is not None:
-            self._arena.set_state(1)
+            # Name the collective aborted (protocol rule 4): the one in flight (or already
+            # failed), else the next. Idle after completing seq s, a peer still finishing s
+            # must complete it, not fail it.
+            last = self.flight_record[-1] if self.flight_record else None
+            unfinished = last is not None and last["state"] in ("started", "failed")
+            self._arena.abort_at(self._seq if unfinished else self._seq + 1)
         if self._aborter is not None:
             self._aborter()
         if self._poison is None:

@@ -311,6 +311,39 @@ def test_peer_aborting_a_later_collective_does_not_fail_this_one():
         a1.wait_all()
 
 
+def test_abort_while_idle_names_the_next_collective_not_the_completed_one():
+    """Guards: Group.abort() between collectives (rank 0 completed seq 1; rank 1 posted it
+    but was descheduled before its check) must not fail seq 1 on rank 1: it announces the
+    next collective as the aborted one. Aborting while a collective is unfinished still
+    names that one."""
+    from shmcoll.errors import CollectiveTimeoutError, GroupAbortedError
+    from shmcoll.group import Group
+    a0, a1 = _arena_pair()
+    g0 = Group(a0, 0, 2, timeout_s=5.0)
+    fp = (1,)  # Group.barrier's fingerprint
+    a1.begin(1, "barrier", fp, 5.0)
+    a1._write_fp()
+    a1.post()  # rank 1 posted seq 1, then was descheduled
+    g0.barrier()  # rank 0 completes seq 1 ...
+    g0.abort()  # ... and aborts while idle
+    a1.wait_all()  # rank 1 completes seq 1
+    assert g0.flight_record[-1]["state"] == "completed"
+    a1.begin(2, "barrier", fp, 5.0)
+    with pytest.raises(GroupAbortedError, match="rank 0 aborted the group"):
+        a1.exchange()  # and fails seq 2, the one rank 0 will never run
+    # a failed collective stays the aborted one after a later abort()
+    a0, a1 = _arena_pair()
+    g0 = Group(a0, 0, 2, timeout_s=0.05)
+    a1.begin(1, "barrier", fp, 5.0)
+    with pytest.raises(CollectiveTimeoutError):
+        g0.barrier()  # rank 1 never posts: rank 0 times out at seq 1
+    g0.abort()
+    a1._write_fp()
+    a1.post()
+    with pytest.raises(GroupAbortedError, match="before rank 1 reached seq 1"):
+        a1.wait_all()
+
+
 # ====================================================================== 4. mismatches
 
 # rank 0's side / the others' side, as describe_fingerprint renders them
