@@ -31,6 +31,7 @@ REPO = os.path.dirname(HERE)
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "shmcoll-"
 FOREIGN_PREFIXES = ("sem.", "psm_")  # POSIX semaphores / multiprocessing.shared_memory
+SETUP_TIMEOUT_S = 60.0  # init and warm-up of scenarios whose timeout under test is short
 
 
 # ================================================================================== parent
@@ -403,10 +404,13 @@ def scenario_stall(c):
     import logging
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="LOG %(name)s %(message)s")
     victim, op_timeout = c.args["victim"], c.args.get("op_timeout")
-    c.new_group()
-    run = c.collective("all_reduce", 64, timeout_s=op_timeout)
-    run()
+    # Init and warm up under a generous timeout: the short one is for the stalled call only
+    # (on a loaded host the ranks' imports and kernel loads can skew them by seconds).
+    c.new_group(timeout_s=max(c.timeout_s, SETUP_TIMEOUT_S))
+    c.collective("all_reduce", 64)()
     c.collective("broadcast", 256)()
+    c.group.timeout_s = c.timeout_s  # the group timeout under test, from here on
+    run = c.collective("all_reduce", 64, timeout_s=op_timeout)
     c.emit("ready", pid=os.getpid())
     if c.rank == victim:
         c.wait_cmd()

@@ -403,12 +403,15 @@ def test_mismatch_check_cost(tmp_path):
         for a in arenas:
             a.begin(7, "all_reduce", (2, 3, 1, 0, 0, 1234), 10.0)
             a._write_fp()  # what the first post does
-        a, n = arenas[0], 20000
-        t0 = time.perf_counter()
-        for _ in range(n):
-            a._fp_pending = True
-            a._check_fingerprints()
-        micro[ws] = (time.perf_counter() - t0) / n * 1e6
+        a, n = arenas[0], 4000
+        best = float("inf")
+        for _ in range(5):  # the fastest of 5 loops: a preemption is not the check's cost
+            t0 = time.perf_counter()
+            for _ in range(n):
+                a._fp_pending = True
+                a._check_fingerprints()
+            best = min(best, time.perf_counter() - t0)
+        micro[ws] = best / n * 1e6
     # the figure is the 25th percentile: per-call times are bimodal under other jobs' load
     # (undisturbed calls ~20 us, preempted ones ~100 us), the low percentiles are the cost
     _report("fingerprint check", all_reduce_8B_p25_us_with_check=round(p25_on, 2),
@@ -442,6 +445,8 @@ def test_no_segment_leaks(tmp_path, mode):
         if mode == "kill_all":
             for r in range(2):
                 job.event(r, "iter", count=3)
+            for r in range(2):  # stop both first: a rank must not see its peer die and exit
+                job.signal(r, signal.SIGSTOP)
             for r in range(2):
                 job.signal(r, signal.SIGKILL)
         else:

@@ -121,8 +121,9 @@ def test_automatic_choice_above_the_threshold(kind, seed):
 
 def _one_rank_refuses(rank, world_size, store):
     """Rank 1 turns single-copy off: every rank must then agree on the slots."""
-    os.environ["SHMCOLL_SINGLE_COPY"] = "off" if rank == 1 else "always"
-    group = harness.new_group(store, rank, world_size)
+    # patched for this job only: the pooled worker processes outlive it
+    with harness.patched_environ({"SHMCOLL_SINGLE_COPY": "off" if rank == 1 else "always"}):
+        group = harness.new_group(store, rank, world_size)
     try:
         mode = group._arena.single_copy
         failures, _ = run_cases([("all_reduce", functools.partial(

@@ -27,7 +27,7 @@ import threaded_pg
 from shmcoll import CollectiveMismatchError, CollectiveTimeoutError, GroupAbortedError
 from shmcoll.protocol import HEADER_NBYTES, MAGIC, Arena, read_header
 from threaded_pg.arena import REGION_ALIGN_NBYTES, is_spin_off
-from threaded_pg.spawn import GROUP_TIMEOUT_MARGIN_S
+from threaded_pg.spawn import group_timeout_s
 
 pytestmark = [pytest.mark.torch, pytest.mark.timeout(120)]
 
@@ -375,8 +375,8 @@ def test_spawn_report_wins_over_collective_timeouts_when_the_caller_wakes_late(m
     """Guards: the ranks' collective timeout outlasts the spawn's, so a caller thread that
     wakes late (a loaded machine) still finds the ranks blocked in their collectives; with
     equal timeouts they had failed by then and the report said "not in a collective"."""
-    late_s = 0.5
-    assert late_s < GROUP_TIMEOUT_MARGIN_S
+    late_s = 0.3
+    assert late_s < group_timeout_s(1) - 1
     wait = threaded_pg.runner._Run._wait_for_failure_or_end
 
     def late_wait(self, deadline):
@@ -401,12 +401,18 @@ def test_spawn_report_wins_over_collective_timeouts_when_the_caller_wakes_late(m
 def test_collective_timeout_names_seq_group_and_missing_peer():
     """Guards: a group's own timeout raises CollectiveTimeoutError in the waiting rank, and
     the report shows the state of every rank when it happened."""
+    parked = threading.Event()
+
     def body(rank, ws):
         sub = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=1))
         if rank == 0:
+            parked.wait(30)  # rank 1 is in its loop before rank 0's 1 s timeout starts
             dist.all_reduce(torch.ones(1), group=sub)  # rank 1 never joins
         else:
-            time.sleep(3)
+            rendezvous = threaded_pg.group.current_rank()[0]
+            parked.set()
+            while not rendezvous.aborted:  # until rank 0's failure aborts the spawn
+                time.sleep(0.01)
 
     with pytest.raises(CollectiveTimeoutError) as info:
         threaded_pg.spawn(body, 2)
@@ -417,7 +423,8 @@ def test_collective_timeout_names_seq_group_and_missing_peer():
     report = text.split("ranks when it failed:", 1)[1]
     assert ("rank 0: raised CollectiveTimeoutError; last collective: all_reduce seq 1 (failed) "
             "on group '1'") in report
-    assert "rank 1: not in a collective, at " in report and "time.sleep(3)" in report
+    rank1 = report.split("rank 1: ", 1)[1].splitlines()[0]
+    assert rank1.startswith("not in a collective, at ") and " in body `" in rank1, report
 
 
 def test_mismatch_is_reported_on_every_rank_naming_both_sides():

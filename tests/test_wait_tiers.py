@@ -44,9 +44,12 @@ def test_monotonic_ns_is_the_monotonic_clock():
 def test_wait_all_ge_zero_budget_is_one_pass():
     w, addrs, abort = _words(2)
     wait_all_ge(addrs, 1, 0, 0, abort)  # compiled before timing
-    t0 = time.perf_counter()
-    assert wait_all_ge(addrs, 1, 0, 0, abort) == 0  # word 0 still below: index 0
-    assert time.perf_counter() - t0 < 0.05
+    took = []
+    for _ in range(5):  # the fastest of 5: a lost time slice on a loaded host is not the call
+        t0 = time.perf_counter()
+        assert wait_all_ge(addrs, 1, 0, 0, abort) == 0  # word 0 still below: index 0
+        took.append(time.perf_counter() - t0)
+    assert min(took) < 0.05, took  # one pass, not a yield tier (YIELD_NS) or a spin budget
     w[0] = 1
     assert wait_all_ge(addrs, 1, 0, 0, abort) == 1
     w[1] = 5

@@ -24,18 +24,27 @@ def spawn(fn, world_size, args=(), kwargs=None, timeout=DEFAULT_TIMEOUT_S, cfg=N
     list of their return values, by rank.
 
     `timeout` (seconds or timedelta) bounds the whole spawn; the groups' collective
-    timeout is GROUP_TIMEOUT_MARGIN_S longer, so a stuck rank ends in the spawn's report. `cfg` (shmcoll.config.Config) overrides SHMCOLL_* settings.
+    timeout is longer (group_timeout_s), so a stuck rank ends in the spawn's report.
+    `cfg` (shmcoll.config.Config) overrides SHMCOLL_* settings.
     Raises RankFailedError ("rank r: <traceback>") or SpawnTimeoutError (what each rank
     was blocked in).
     """
     return _Spawn(fn, world_size, args, kwargs, timeout, cfg).run()
 
 
-# The groups' collective timeout exceeds the spawn's by this much. With equal timeouts the
-# ranks' own collective deadlines and the caller's spawn deadline fall in the same instant;
-# on a loaded machine the caller thread can wake a few ms late, find the ranks already
-# failing, and report them as "not in a collective" instead of what they were blocked in.
+# The groups' collective timeout exceeds the spawn's by this much (at least; see
+# group_timeout_s). With equal timeouts the ranks' own collective deadlines and the caller's
+# spawn deadline fall in the same instant; on a loaded machine the caller thread can wake
+# late, find the ranks already failing, and report them as "not in a collective" instead
+# of what they were blocked in.
 GROUP_TIMEOUT_MARGIN_S = 1.0
+
+
+def group_timeout_s(spawn_timeout_s):
+    """The collective timeout of a spawn's groups: twice the spawn's (at least
+    GROUP_TIMEOUT_MARGIN_S more), so the spawn's report comes first unless the caller
+    thread is a whole timeout late."""
+    return spawn_timeout_s + max(GROUP_TIMEOUT_MARGIN_S, spawn_timeout_s)
 
 
 class _Spawn(_Run):
@@ -68,7 +77,7 @@ class _Spawn(_Run):
         dist.init_process_group(self.backend, store=self.store, rank=rank,
                                 world_size=self.world_size,
                                 timeout=datetime.timedelta(
-                                    seconds=self.timeout_s + GROUP_TIMEOUT_MARGIN_S))
+                                    seconds=group_timeout_s(self.timeout_s)))
         return self.fn(rank, self.world_size, *self.args, **self.kwargs)
 
     def _cleanup(self, rank):
