@@ -442,6 +442,52 @@ class Arena:
         copy-in), each peer's from its sub-slot."""
         self._stream(i, STREAM_GATHER, inp, 0, inp.size, sub_nbytes, 0, 1.0, 1.0, False, out)
 
+    def exchange_reduce_two_shot(self, i, buf, spec, sub_nbytes):
+        """buf = the reduction (ops.ReduceSpec `spec`) of every rank's buf, in rank order,
+        as reduce-scatter + all-gather through my slot i (claimed): per sub-chunk two steps
+        -- copy in and post; wait; reduce my slice of every rank's sub-slot into buf and my
+        sub-slot; post; wait; copy every peer's reduced slice out of its sub-slot -- all in
+        one compiled call unless a peer is late (Python then finishes that wait, does the
+        step's work and resumes the kernel after it).
+
+        The sub-chunks take turns in STREAM_RING sub-slots, as in _stream: I copy sub-chunk
+        k into sub-slot k % 2 only after every peer posted the second step of k - 1, which
+        it does after gathering k - 2 (the last read of that sub-slot). The reduce writes
+        only my own slice of my sub-slot, which no peer reads until the next step."""
+        size, nbytes = buf.itemsize, buf.nbytes
+        sub = max(size, min(sub_nbytes, self.slot_nbytes // STREAM_RING))
+        sub -= sub % size
+        nphase = 2 * max(1, -(-nbytes // sub))
+        step0 = self._step
+        self._free_at[i] = step0 + nphase + 1
+        srcs, dst = self._slot_addrs[i], self._slot_addr_mine[i]
+        op, pre, post, bf16 = spec.op, spec.pre, spec.post, spec.kind == "bfloat16"
+        p = 0
+        while True:
+            fp, fp_addr, peer_fp = self._fp_args()
+            done, r = _two_shot_kernel(
+                buf, sub, p, dst, fp_addr, fp[0], fp[1], fp[2], fp[3], fp[4], fp[5], fp[6],
+                fp[7], self._seq_addr, self._seq, self._posted_addr, step0, self._peer_posted,
+                peer_fp, self._peer_state, self._spins, YIELD_NS, self._state_addr,
+                self.verify, srcs, self.rank, op, pre, post, bf16, self._gil_addr,
+                self._gil_me)
+            self._fp_unwritten = False
+            if r == -1:  # every step exchanged and consumed
+                self._step = self._known_min = step0 + nphase
+                if fp_addr:
+                    self._fp_pending = False
+                return
+            # step `done` is posted but not everyone has posted it: finish in Python
+            self._step = step0 + done + 1
+            self._finish_wait(self._step, r, fp_addr != 0 and done == 0)
+            if fp_addr and done > 0:
+                self._fp_pending = False  # the kernel checked them at step 0
+            _two_shot_consume(done, buf, sub, srcs, self.rank, op, pre, post, bf16)
+            p = done + 1
+            if p >= nphase:
+                self._step = step0 + nphase
+                return
+
     def _stream(self, i, mode, src, byte_offset, nbytes, sub_nbytes, op, pre, post, bf16, out):
         """One collective's data through slot i in sub-chunks, one step each: copy the
         sub-chunk in, post, wait for every peer, then consume every rank's copy of it
@@ -740,6 +786,9 @@ def warm_up(storage=_STORAGE):
                          True, 0, 0)
         _stream_kernel(STREAM_REDUCE, a, 0, 0, 64, 0, 0, 0, *fp, w, 0, w + 8, 0, none, none,
                        none, 0, 0, w + 16, True, srcs, 0, 0, 1.0, 1.0, False, _NO_BYTES, 0, 0)
+        _two_shot_kernel(a[:0], 64, 0, 0, 0, *fp, w, 0, w + 8, 0, none, none, none, 0, 0,
+                         w + 16, True, srcs, 0, 0, 1.0, 1.0, False, 0, 0)
+        _two_shot_consume(0, a[:0], 64, srcs, 0, 0, 1.0, 1.0, False)
         _reduce_chunk(a, 0, 0, srcs, 0, 0, 1.0, 1.0, False)
         reduce_from_peers(CMA, none, srcs, 0, a[:0], 0, a, 1, 0, 1.0, 1.0, False)
     _wait_kernel(none, 0, 0, 0, w + 16, 0, 0)
@@ -880,6 +929,62 @@ def _stream_kernel(mode, src, byte_offset, nbytes, sub, k0, dst, fp_addr, f0, f1
                  off, nbytes)
     _gil_leave(gil_addr, gil_me, -1, spins)
     return nsub, -1
+
+
+@numba.njit(nogil=True, cache=True)
+def _two_shot_kernel(buf, sub, p0, dst, fp_addr, f0, f1, f2, f3, f4, f5, f6, f7, seq_addr, seq,
+                     posted_addr, step0, peer_posted, peer_fp, peer_state, spins, yield_ns,
+                     abort_addr, verify, srcs, rank, op, pre, post, bf16, gil_addr, gil_me):
+    """Arena.exchange_reduce_two_shot's body from step p0 on: step 2k copies sub-chunk k
+    into its sub-slot (with the fingerprint at step 0), step 2k + 1 only posts; each step
+    waits for every peer, then _two_shot_consume. Returns (count, -1) when all are done,
+    else the step whose wait did not complete cleanly (posted, not consumed) and the code."""
+    nbytes = buf.nbytes
+    nphase = 2 * max(1, (nbytes + sub - 1) // sub)
+    _gil_enter(gil_addr, gil_me)
+    for p in range(p0, nphase):
+        k = p // 2
+        off = k * sub
+        m = min(sub, nbytes - off) if p % 2 == 0 else 0
+        r = _exchange_steps(buf, off, m, dst + k % STREAM_RING * sub, fp_addr if p == 0 else 0,
+                            f0, f1, f2, f3, f4, f5, f6, f7, seq_addr, seq, posted_addr,
+                            step0 + p + 1, peer_posted, peer_fp, peer_state, spins, yield_ns,
+                            abort_addr, verify)
+        if r != -1:
+            _gil_leave(gil_addr, gil_me, r, spins)
+            return p, r
+        _two_shot_consume(p, buf, sub, srcs, rank, op, pre, post, bf16)
+    _gil_leave(gil_addr, gil_me, -1, spins)
+    return nphase, -1
+
+
+@numba.njit(nogil=True, cache=True)
+def _two_shot_consume(p, buf, sub, srcs, rank, op, pre, post, bf16):
+    """The work after step p's wait. Even step (sub-chunk k = p // 2 in every sub-slot):
+    reduce my slice of it, in rank order, into buf -- my own contribution read from buf,
+    still in cache from the copy-in -- and publish the result in my sub-slot. Odd step:
+    copy every peer's reduced slice from its sub-slot into buf."""
+    size = buf.itemsize
+    k = p // 2
+    off = k * sub
+    ring = k % STREAM_RING * sub
+    n = min(sub, buf.nbytes - off) // size
+    base = off // size
+    world = srcs.shape[0]
+    if p % 2 == 0:
+        lo, hi = n * rank // world, n * (rank + 1) // world
+        if hi > lo:
+            out = buf[base + lo:base + hi]
+            addrs = srcs + (ring + lo * size)
+            addrs[rank] = out.ctypes.data
+            reduce_any(out, addrs, op, pre, post, bf16)
+            copy_bytes(srcs[rank] + ring + lo * size, out.ctypes.data, (hi - lo) * size)
+        return
+    for j in range(world):
+        lo, hi = n * j // world, n * (j + 1) // world
+        if j != rank and hi > lo:
+            copy_bytes(buf.ctypes.data + (base + lo) * size, srcs[j] + ring + lo * size,
+                       (hi - lo) * size)
 
 
 @numba.njit(nogil=True, cache=True)

@@ -191,24 +191,31 @@ def _stream_job(rank, world_size, rendezvous, count):
         group.close()
 
 
-def test_streamed_collectives_resume_through_the_python_wait(monkeypatch):
+@pytest.mark.parametrize("world_size,direct_max", [(2, -1), (3, 0)],
+                         ids=["one_shot", "two_shot"])
+def test_streamed_collectives_resume_through_the_python_wait(monkeypatch, world_size,
+                                                             direct_max):
     """No spin and no yield tier: nearly every sub-chunk wait of the streamed one-shot
-    all_reduce and all_gather (Arena._stream) ends in Python's slow path, which consumes
-    that sub-chunk from its ring sub-slot and resumes the kernel; the results must not
-    notice. 64 KiB slots: 32 KiB sub-slots, so 1 MiB takes 32 sub-chunks through the
-    2-slot ring."""
+    all_reduce and all_gather (Arena._stream), and every step wait of the two-shot
+    all_reduce (Arena.exchange_reduce_two_shot, forced at 3 ranks), ends in Python's slow
+    path, which does that step's work from its ring sub-slot and resumes the kernel; the
+    results must not notice. 64 KiB slots: 32 KiB sub-slots, so 1 MiB takes 32 sub-chunks
+    through the 2-slot ring."""
     import threaded_pg
     from shmcoll import config, protocol
 
     monkeypatch.setattr(protocol, "SPINS", 0)
     monkeypatch.setattr(protocol, "YIELD_NS", 0)
-    cfg = dataclasses.replace(config.from_env(), slot_nbytes=64 << 10)
+    cfg = dataclasses.replace(config.from_env(), slot_nbytes=64 << 10,
+                              direct_max_nbytes=direct_max)
     count = (1 << 20) // 4 + 3
-    results = threaded_pg.run_threads(_stream_job, 2, args=(count,), timeout=60, cfg=cfg)
+    results = threaded_pg.run_threads(_stream_job, world_size, args=(count,), timeout=60,
+                                      cfg=cfg)
     base = np.arange(count, dtype=np.float32)
+    factor = world_size * (world_size + 1) // 2
     for rep in range(3):
-        want = base * 3 + 2 * rep
-        gathered = np.concatenate([base + rep, base * 2 + rep])
+        want = base * factor + world_size * rep
+        gathered = np.concatenate([base * (r + 1) + rep for r in range(world_size)])
         for out in results:
             np.testing.assert_array_equal(out[rep][0], want)
             np.testing.assert_array_equal(out[rep][1], gathered)

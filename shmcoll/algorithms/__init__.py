@@ -18,11 +18,14 @@ from .scatter import scatter_direct
 __all__ = ["select", "ONE_SHOT_MAX_NBYTES", "SINGLE_COPY_MIN"]
 
 # all_reduce one-shot vs two-shot cut-over, by world size. One-shot reads N*S per rank and
-# needs one wait per chunk; two-shot reads ~2*S but needs two waits. At N=2 the byte counts
-# are equal, so one-shot always wins; above, two-shot wins once the N*S reads dominate.
-# Measured with benchmarks/bench.py on the 2-core dev VM (see README "Algorithm choice").
-ONE_SHOT_MAX_NBYTES = {2: 1 << 62, 3: 256 << 10, 4: 128 << 10}
-ONE_SHOT_MAX_NBYTES_DEFAULT = 64 << 10
+# needs one wait per sub-chunk; two-shot reads ~2*S but needs two waits (both run as one
+# compiled call per collective). At N=2 the byte counts are equal, so one-shot always wins;
+# at 3 they are close (measured equal within noise up to 1 MiB); above, two-shot wins once
+# the N*S reads dominate. Measured engine level, processes, one run, us (one / two-shot):
+# 4 ranks 4K 28/40, 16K 36/60, 32K 56/37, 64K 96/47, 1M 960/630; 6 ranks 16K 135/128,
+# 64K 238/185; 8 ranks 4K 149/166, 8K 144/161, 16K 239/189, 64K 312/174, 1M 2610/1242.
+ONE_SHOT_MAX_NBYTES = {2: 1 << 62, 3: 256 << 10, 4: 16 << 10}
+ONE_SHOT_MAX_NBYTES_DEFAULT = 8 << 10
 
 # Single-copy paths (peers' buffers read where they lie, see single_copy.py), by transport:
 # (min bytes per rank -- all_reduce: the buffer; reduce_scatter: the whole input --, min

@@ -4,18 +4,19 @@ Both reduce every element over ranks 0..N-1 in rank order in one kernel call (fp
 accumulate in fp32 and round once), so every rank ends with bitwise-identical bytes.
 """
 
-from ..kernels import reduce_unchecked as reduce_into
-
 import numpy as np
 
 __all__ = ["all_reduce_one_shot", "all_reduce_two_shot", "all_reduce_single_copy",
-           "STREAM_NBYTES"]
+           "STREAM_NBYTES", "TWO_SHOT_SUB_NBYTES"]
 
 # One-shot chunks stream through the slot in sub-chunks of this size (one step each; see
 # Arena.exchange_reduce). Measured at world size 2, interleaved A/B in one run (busbw GB/s,
 # sub-chunk 512K / 4M = no streaming): 16 MiB 6.19 / 6.43, 64 MiB 4.52 / 4.16, 256 MiB
 # 4.39 / 4.13; 32-64K sub-chunks lost 10-15% everywhere (one cross-core handoff each).
 STREAM_NBYTES = 512 << 10
+# Two-shot sub-chunks: as large as the sub-slots allow (half a slot); each costs two waits
+# and nothing overlaps across them, so smaller ones only add waits.
+TWO_SHOT_SUB_NBYTES = 1 << 62
 
 
 def all_reduce_one_shot(arena, buf, spec):
@@ -33,31 +34,20 @@ def all_reduce_one_shot(arena, buf, spec):
 
 
 def all_reduce_two_shot(arena, buf, spec):
-    """Reduce-scatter then all-gather through the slots (bandwidth-optimal for large N*S).
+    """Reduce-scatter then all-gather through the slots (bandwidth-optimal for large N*S):
+    one compiled call for the whole buffer when nobody is late (Arena.exchange_reduce_two_shot).
 
-    Steps per chunk: 2. Bytes per rank per chunk of S bytes: copy in S, read S (N slices of
-    S/N), write S/N, read S (gather).
-    1. copy the chunk into my slot; post.
-    2. wait for all; reduce slice[rank] of every slot into slice[rank] of my own slot (peers
-       read other slices of my slot meanwhile: disjoint); post.
-    3. wait for all; copy slice[j] of rank j's slot into my buffer, for every j.
+    Steps per sub-chunk: 2. Bytes per rank per sub-chunk of S bytes: copy in S, read S (N
+    slices of S/N), write 2*S/N, read and write (N-1)*S/N (gather).
+    1. copy the sub-chunk into my sub-slot; post; wait for all.
+    2. reduce slice[rank] of every sub-slot, in rank order, into my buffer and into
+       slice[rank] of my sub-slot (peers read other slices of it meanwhile: disjoint);
+       post; wait for all.
+    3. copy slice[j] of rank j's sub-slot into my buffer, for every peer j.
     """
-    itemsize, rank, world = buf.itemsize, arena.rank, arena.world_size
-    per = arena.slot_nbytes // itemsize
-    for start in range(0, buf.size, per):
-        n = min(per, buf.size - start)
-        i = arena.next_slot()
-        mine = arena.claim(i)[:n * itemsize].view(buf.dtype)
-        arena.exchange(i, buf, start * itemsize, n * itemsize)
-        lo, hi = n * rank // world, n * (rank + 1) // world
-        if hi > lo:
-            reduce_into(mine[lo:hi], arena.slot_addrs(i) + lo * itemsize,
-                        spec.op, spec.kind, spec.pre, spec.post)
-        arena.post(i)
-        arena.wait_all()
-        for j in range(world):
-            lo, hi = n * j // world, n * (j + 1) // world
-            buf[start + lo:start + hi] = arena.slot(i, j)[lo * itemsize:hi * itemsize].view(buf.dtype)
+    i = arena.next_slot()
+    arena.claim(i)
+    arena.exchange_reduce_two_shot(i, buf, spec, TWO_SHOT_SUB_NBYTES)
 
 
 def all_reduce_single_copy(arena, buf, spec):
