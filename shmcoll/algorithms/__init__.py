@@ -29,18 +29,21 @@ ONE_SHOT_MAX_NBYTES_DEFAULT = 8 << 10
 
 # Single-copy paths (peers' buffers read where they lie, see single_copy.py), by transport:
 # (min bytes per rank -- all_reduce: the buffer; reduce_scatter: the whole input --, min
-# world size). They need 2-3 waits where the slot paths need one per sub-chunk, so they win
-# only where the copy they save outweighs those waits. Measured (engine level, the 2-core
-# VM, slots vs single-copy in one run): CMA all_reduce at 2 ranks 1 MiB 218 vs 251 us, 4 MiB
-# 816 vs 520, 16 MiB 3850 vs 2562; at 4 ranks 4 MiB 3811 vs 2334; reduce_scatter 4 MiB
-# 609 vs 459 (2 ranks), 2241 vs 1733 (4). CMA broadcast lost at every size (the slot path
-# overlaps the root's copy-in with the readers' copy-out; one kernel copy does not) and
-# all_gather was a toss-up, so both stay on the slots. Rank threads (IN_PROCESS) pay for
-# each extra wait with GIL hand-overs: all_reduce wins only at 4+ ranks from 1 MiB
-# (1300 vs 1228 us at 4, 2604 vs 2026 at 8), reduce_scatter from 256 KiB (463 vs 389 at 4).
+# world size). They need 2-3 waits with Python between them, where the slot paths run as
+# one compiled call, so they win only where the copy they save outweighs that. Measured
+# (engine level, the 2-core VM, slots vs single copy in one run, us): CMA all_reduce at 2
+# ranks 2 MiB 433 vs 457, 3 MiB 654 vs 551, 4 MiB 816 vs 520, 16 MiB 3850 vs 2562; at 4
+# ranks (two-shot) 2 MiB 1142 vs 1306, 3 MiB 1878 vs 1797, 4 MiB 2547 vs 1954; at 8 ranks
+# 2 MiB 3101 vs 3323, 4 MiB 8389 vs 7079; reduce_scatter 4 MiB 609 vs 459 (2 ranks), 2241
+# vs 1733 (4). CMA broadcast lost at every size (the slot path overlaps the root's copy-in
+# with the readers' copy-out; one kernel copy does not) and all_gather was a toss-up, so
+# both stay on the slots. Rank threads (IN_PROCESS, through dist.*): all_reduce at 4 ranks
+# 1 MiB 665 vs 962, 2 MiB 1840 vs 1595, 4 MiB 3075 vs 2416; at 8 ranks 1 MiB 1499 vs 1623,
+# 2 MiB 3774 vs 3349; reduce_scatter from 256 KiB (463 vs 389 at 4). At 2-3 rank threads
+# the extra waits' GIL hand-overs cost more than the copy saves.
 SINGLE_COPY_MIN = {
-    CMA: {"all_reduce": (2 << 20, 2), "reduce_scatter": (2 << 20, 2)},
-    IN_PROCESS: {"all_reduce": (1 << 20, 4), "reduce_scatter": (256 << 10, 2)},
+    CMA: {"all_reduce": (3 << 20, 2), "reduce_scatter": (2 << 20, 2)},
+    IN_PROCESS: {"all_reduce": (2 << 20, 4), "reduce_scatter": (256 << 10, 2)},
 }
 _SINGLE_COPY = {"all_reduce": all_reduce_single_copy, "all_gather": all_gather_single_copy,
                 "broadcast": broadcast_single_copy, "reduce_scatter": reduce_scatter_single_copy}
