@@ -472,16 +472,8 @@ class Arena:
                 self.verify, srcs, self.rank, op, pre, post, bf16, self._gil_addr,
                 self._gil_me)
             self._fp_unwritten = False
-            if r == -1:  # every step exchanged and consumed
-                self._step = self._known_min = step0 + nphase
-                if fp_addr:
-                    self._fp_pending = False
+            if self._settle(step0, nphase, done, r, fp_addr):
                 return
-            # step `done` is posted but not everyone has posted it: finish in Python
-            self._step = step0 + done + 1
-            self._finish_wait(self._step, r, fp_addr != 0 and done == 0)
-            if fp_addr and done > 0:
-                self._fp_pending = False  # the kernel checked them at step 0
             _two_shot_consume(done, buf, sub, srcs, self.rank, op, pre, post, bf16)
             p = done + 1
             if p >= nphase:
@@ -520,16 +512,8 @@ class Arena:
                 self._peer_state, self._spins, YIELD_NS, self._state_addr, self.verify, srcs,
                 self.rank, op, pre, post, bf16, out, self._gil_addr, self._gil_me)
             self._fp_unwritten = False
-            if r == -1:  # every sub-chunk exchanged and consumed
-                self._step = self._known_min = step0 + nsub
-                if fp_addr:
-                    self._fp_pending = False
+            if self._settle(step0, nsub, done, r, fp_addr):
                 return
-            # sub-chunk `done` is posted but not everyone has posted it: finish in Python
-            self._step = step0 + done + 1
-            self._finish_wait(self._step, r, fp_addr != 0 and done == 0)
-            if fp_addr and done > 0:
-                self._fp_pending = False  # the kernel checked them at sub-chunk 0
             _consume(mode, src, byte_offset + done * sub, min(sub, nbytes - done * sub),
                      srcs + done % STREAM_RING * sub, self.rank, op, pre, post, bf16, out,
                      done * sub, nbytes)
@@ -537,6 +521,23 @@ class Arena:
             if k >= nsub:
                 self._step = step0 + nsub
                 return
+
+    def _settle(self, step0, nsteps, done, r, fp_addr):
+        """After a multi-step kernel (_stream, exchange_reduce_two_shot) returned (done, r):
+        True when all `nsteps` steps were exchanged and consumed (r == -1). Else step
+        `done` is posted but not every peer has posted it: finish that wait in Python
+        (slow tiers, errors) and return False; the caller then does that step's work and
+        resumes the kernel after it. The kernel wrote and checked the fingerprint at step 0."""
+        if r == -1:
+            self._step = self._known_min = step0 + nsteps
+            if fp_addr:
+                self._fp_pending = False
+            return True
+        self._step = step0 + done + 1
+        self._finish_wait(self._step, r, fp_addr != 0 and done == 0)
+        if fp_addr and done > 0:
+            self._fp_pending = False
+        return False
 
     # -- single copy (see single_copy.py) ------------------------------------------------
 
