@@ -442,7 +442,7 @@ class Arena:
         copy-in), each peer's from its sub-slot."""
         self._stream(i, STREAM_GATHER, inp, 0, inp.size, sub_nbytes, 0, 1.0, 1.0, False, out)
 
-    def exchange_reduce_two_shot(self, i, buf, spec, sub_nbytes):
+    def exchange_reduce_two_shot(self, i, buf, spec):
         """buf = the reduction (ops.ReduceSpec `spec`) of every rank's buf, in rank order,
         as reduce-scatter + all-gather through my slot i (claimed): per sub-chunk two steps
         -- copy in and post; wait; reduce my slice of every rank's sub-slot into buf and my
@@ -453,10 +453,11 @@ class Arena:
         The sub-chunks take turns in STREAM_RING sub-slots, as in _stream: I copy sub-chunk
         k into sub-slot k % 2 only after every peer posted the second step of k - 1, which
         it does after gathering k - 2 (the last read of that sub-slot). The reduce writes
-        only my own slice of my sub-slot, which no peer reads until the next step."""
-        size, nbytes = buf.itemsize, buf.nbytes
-        sub = max(size, min(sub_nbytes, self.slot_nbytes // STREAM_RING))
-        sub -= sub % size
+        only my own slice of my sub-slot, which no peer reads until the next step. The
+        sub-chunks fill whole sub-slots: nothing overlaps across them, so smaller ones
+        would only add waits."""
+        nbytes = buf.nbytes
+        sub = self._sub_nbytes(buf.itemsize, self.slot_nbytes)
         nphase = 2 * max(1, -(-nbytes // sub))
         step0 = self._step
         self._free_at[i] = step0 + nphase + 1
@@ -495,9 +496,7 @@ class Arena:
         every peer post sub-chunk k - 1, and a peer posts k - 1 only after it consumed
         k - 2, the last read of that sub-slot.
         """
-        size = src.itemsize
-        sub = max(size, min(sub_nbytes, self.slot_nbytes // STREAM_RING))
-        sub -= sub % size
+        sub = self._sub_nbytes(src.itemsize, sub_nbytes)
         nsub = max(1, -(-nbytes // sub))
         step0 = self._step
         self._free_at[i] = step0 + nsub + 1
@@ -521,6 +520,12 @@ class Arena:
             if k >= nsub:
                 self._step = step0 + nsub
                 return
+
+    def _sub_nbytes(self, itemsize, want):
+        """Sub-chunk size for the STREAM_RING sub-slots of a slot: at most `want` bytes and
+        a sub-slot, whole elements, at least one."""
+        sub = max(itemsize, min(want, self.slot_nbytes // STREAM_RING))
+        return sub - sub % itemsize
 
     def _settle(self, step0, nsteps, done, r, fp_addr):
         """After a multi-step kernel (_stream, exchange_reduce_two_shot) returned (done, r):

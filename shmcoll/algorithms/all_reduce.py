@@ -7,16 +7,13 @@ accumulate in fp32 and round once), so every rank ends with bitwise-identical by
 import numpy as np
 
 __all__ = ["all_reduce_one_shot", "all_reduce_two_shot", "all_reduce_single_copy",
-           "STREAM_NBYTES", "TWO_SHOT_SUB_NBYTES"]
+           "STREAM_NBYTES"]
 
 # One-shot chunks stream through the slot in sub-chunks of this size (one step each; see
 # Arena.exchange_reduce). Measured at world size 2, interleaved A/B in one run (busbw GB/s,
 # sub-chunk 512K / 4M = no streaming): 16 MiB 6.19 / 6.43, 64 MiB 4.52 / 4.16, 256 MiB
 # 4.39 / 4.13; 32-64K sub-chunks lost 10-15% everywhere (one cross-core handoff each).
 STREAM_NBYTES = 512 << 10
-# Two-shot sub-chunks: as large as the sub-slots allow (half a slot); each costs two waits
-# and nothing overlaps across them, so smaller ones only add waits.
-TWO_SHOT_SUB_NBYTES = 1 << 62
 
 
 def all_reduce_one_shot(arena, buf, spec):
@@ -47,7 +44,7 @@ def all_reduce_two_shot(arena, buf, spec):
     """
     i = arena.next_slot()
     arena.claim(i)
-    arena.exchange_reduce_two_shot(i, buf, spec, TWO_SHOT_SUB_NBYTES)
+    arena.exchange_reduce_two_shot(i, buf, spec)
 
 
 def all_reduce_single_copy(arena, buf, spec):
