@@ -65,11 +65,15 @@ PRESETS = {
     "report": dict(backends="shm,gloo,mpi4py,memcpy", world_sizes="2,4,8",
                    ops="all_reduce,broadcast,all_gather,reduce_scatter",
                    sizes=[8, 1 << 10, 64 << 10, 1 << 20, 16 << 20, 256 << 20],
-                   iters=200, warmup=20, rounds=3),  # 200 calls per small size, median
+                   iters=200, warmup=20, rounds=3,  # 200 calls per small size, median
                    # of 3 rounds: one run's 8 B median moved with a few preempted calls
+                   iter_bytes=1 << 30),  # 16 MiB: 16 warmup + 64 timed calls. A fresh
+                   # 16 MiB buffer takes ~10 calls to reach its steady speed on this VM
+                   # (every backend alike), so the 256M budget's 4 + 16 read low.
 }
 DEFAULTS = dict(backends="shm,gloo", world_sizes="2,4", ops=DEFAULT_OPS, minbytes="8",
-                maxbytes="64M", stepfactor=4, iters=20, warmup=5, dtype="float32", rounds=1)
+                maxbytes="64M", stepfactor=4, iters=20, warmup=5, dtype="float32", rounds=1,
+                iter_bytes=256 << 20)
 
 EXIT_OK, EXIT_WRONG, EXIT_USAGE, EXIT_ERROR = 0, 1, 2, 3
 
@@ -1142,9 +1146,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("-f", "--stepfactor", type=int, help="multiply the size by this (default 4)")
     a("-n", "--iters", type=int, help="timed iterations per size, at most (default 20)")
     a("-w", "--warmup", type=int, help="warmup iterations per size, at most (default 5)")
-    a("--iter-bytes", dest="iter_bytes", type=parse_size, default=parse_size("256M"),
-      help="cap on nbytes*iters per size: large sizes get fewer iterations (default 256M; "
-           "warmup gets a quarter)")
+    a("--iter-bytes", dest="iter_bytes", type=parse_size,
+      help="cap on nbytes*iters per size: large sizes get fewer iterations (default 256M, "
+           "--report: 1G; warmup gets a quarter)")
     a("--min-iters", dest="min_iters", type=int, default=3,
       help="never fewer timed iterations than this (default 3)")
     a("--dtype", help="float32 (default), float64, float16, bfloat16, int32, int64, ...")

@@ -80,6 +80,17 @@ def test_merge_rounds_median_and_wrong():
         bench.resolve_args(["--rounds", "0"])
 
 
+def test_report_preset_budget_and_its_override():
+    # --report gives 16 MiB 16 warmup + 64 timed calls (a fresh buffer needs ~10 calls to
+    # reach its steady speed); the plain default stays 256M; an explicit value wins.
+    report = bench.resolve_args(["--report"])
+    assert report.iter_bytes == 1 << 30
+    assert bench.plan_iterations(16 << 20, report.iters, report.warmup, report.iter_bytes,
+                                 report.min_iters) == (16, 64)
+    assert bench.resolve_args([]).iter_bytes == 256 << 20
+    assert bench.resolve_args(["--report", "--iter-bytes", "64M"]).iter_bytes == 64 << 20
+
+
 def _row(backend, op, ws, nbytes, time_us, busbw, wrong=0):
     return {"record": "row", "backend": backend, "op": op, "world_size": ws, "nbytes": nbytes,
             "time_us": time_us, "busbw_GBps": busbw, "wrong": wrong}
