@@ -431,6 +431,8 @@ def _worker(rank: int, cfg: dict) -> None:
         warnings.filterwarnings("ignore", message="Device capability of")
         torch.set_num_threads(cfg["threads"])
         backend, n = cfg["backend"], cfg["world_size"]
+        # The DeepSpeed peer's ranks are gloo ranks whose timed call is DeepSpeed's own op.
+        pg_backend = "gloo" if backend == DEEPSPEED else backend
 
         import_error = None
         try:
@@ -439,7 +441,7 @@ def _worker(rank: int, cfg: dict) -> None:
             import_error = f"{type(e).__name__}: {e}"
 
         try:
-            dist.init_process_group(backend=backend, init_method=cfg["init_method"],
+            dist.init_process_group(backend=pg_backend, init_method=cfg["init_method"],
                                     rank=rank, world_size=n,
                                     timeout=datetime.timedelta(seconds=cfg["op_timeout"]))
         except BaseException as e:  # noqa: BLE001
@@ -456,12 +458,18 @@ def _worker(rank: int, cfg: dict) -> None:
         # that judge the benchmarked backend never travel through it.
         meta = dist.new_group(backend="gloo",
                               timeout=datetime.timedelta(seconds=cfg["op_timeout"]))
+        peer_call = None
+        if backend == DEEPSPEED:
+            from benchmarks import deepspeed_peer
+            peer_call = deepspeed_peer.attach(rank, n, cfg["peer_token"])
         emit(event="ready", import_error=import_error)
         dtype = collectives.DTYPES[cfg["dtype"]]
         itemsize = torch.empty(0, dtype=dtype).element_size()
 
         for op_idx, op_name in enumerate(cfg["ops"]):
             spec = collectives.get(op_name)
+            if peer_call is not None:
+                spec = _PeerCall(spec, peer_call)
             for size_idx, req in enumerate(cfg["sizes"]):
                 count = spec.count_for(req, itemsize, n)
                 nbytes = spec.nbytes_for(count, itemsize)
@@ -507,6 +515,16 @@ def _worker(rank: int, cfg: dict) -> None:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(1)
+
+
+class _PeerCall:
+    """A collectives spec (buffers, verification, bus factor) whose call is a peer's own."""
+
+    def __init__(self, spec, run):
+        self._spec, self.run = spec, run
+
+    def __getattr__(self, name):
+        return getattr(self._spec, name)
 
 
 def make_row(backend, spec, n, nbytes, count, dtype, iters, warm, medians_ns, mins_ns,
@@ -779,6 +797,18 @@ def run_config(backend: str, world_size: int, args, rep: Reporter) -> None:
     if backend == MPI4PY:
         run_mpi_config(backend, world_size, args, rep)
         return
+    extra = {}
+    if backend == DEEPSPEED:
+        from benchmarks import deepspeed_peer
+        why = deepspeed_peer.unavailable(args.ops, args.dtype)
+        if why:
+            rep.error(backend, world_size, "unavailable", why)
+            return
+        skipped = [op for op in args.ops if op not in deepspeed_peer.OPS]
+        if skipped:
+            rep.warn(backend, world_size, f"DeepSpeed's shm op has no {', '.join(skipped)}: "
+                                          "skipped")
+        extra = dict(peer_token=_free_port())  # names this run's segments (see cleanup)
     import torch.multiprocessing as mp
 
     rundir = Path(tempfile.mkdtemp(prefix=f"bench-{backend.replace(':', '_')}-{world_size}-"))
@@ -787,7 +817,9 @@ def run_config(backend: str, world_size: int, args, rep: Reporter) -> None:
     else:
         init_method = f"file://{rundir / 'rendezvous'}"
     cfg = _rank_cfg(backend, world_size, rundir, args, init_method=init_method,
-                    op_timeout=max(10.0, 0.75 * args.stall_timeout))
+                    op_timeout=max(10.0, 0.75 * args.stall_timeout), **extra)
+    if backend == DEEPSPEED:
+        cfg["ops"] = [op for op in args.ops if op in deepspeed_peer.OPS]
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_worker, args=(r, cfg), daemon=True,
                          name=f"bench-{backend}-ws{world_size}-rank{r}")
@@ -836,6 +868,8 @@ def run_config(backend: str, world_size: int, args, rep: Reporter) -> None:
         if any(p.is_alive() for p in procs):  # should never happen after _stop
             rep.error(backend, world_size, "leftover",
                       f"could not kill pids {[p.pid for p in procs if p.is_alive()]}")
+        if backend == DEEPSPEED:
+            deepspeed_peer.cleanup(cfg["peer_token"], world_size)
         _warn_shm_leaks(rep, backend, world_size, shm_before)
         shutil.rmtree(rundir, ignore_errors=True)
         print(f"# [{backend} world_size={world_size}] {time.monotonic() - ev.start:.1f}s wall"
@@ -846,8 +880,8 @@ def run_config(backend: str, world_size: int, args, rep: Reporter) -> None:
 # ---------------------------------------------------------------------------------------
 # peer: Open MPI through mpi4py (benchmarks/mpi_peer.py under mpirun)
 # ---------------------------------------------------------------------------------------
-MPI4PY, MEMCPY = "mpi4py", "memcpy"
-PEERS = (MPI4PY, MEMCPY)
+MPI4PY, MEMCPY, DEEPSPEED = "mpi4py", "memcpy", "deepspeed"
+PEERS = (MPI4PY, MEMCPY, DEEPSPEED)
 DEFAULT_MPIRUN_ARGS = "--bind-to none --mca pml ob1 --mca btl self,sm"
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -1136,8 +1170,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     a = p.add_argument
     a("--backends", help="comma list, passed to init_process_group as is (default shm,gloo); "
-                         "plus the reference peers 'mpi4py' (Open MPI via mpirun) and "
-                         "'memcpy' (single-core copy bandwidth)")
+                         "plus the reference peers 'mpi4py' (Open MPI via mpirun), "
+                         "'deepspeed' (DeepSpeed's CPU shm all-reduce) and 'memcpy' "
+                         "(single-core copy bandwidth)")
     a("--world-sizes", dest="world_sizes", help="comma list of rank counts (default 2,4)")
     a("--ops", help=f"comma list or 'all' (default {DEFAULT_OPS}); "
                     f"known: {','.join(collectives.COLLECTIVES)}")

@@ -1,7 +1,10 @@
-"""The reference peers of benchmarks/bench.py: single-core memcpy and Open MPI via mpi4py.
+"""The reference peers of benchmarks/bench.py: single-core memcpy, Open MPI via mpi4py and
+DeepSpeed's CPU shm all-reduce.
 
 Fast: the memcpy runs happen in this process, the MPI runs start one mpirun of 2 ranks each
-(about 4-8 s apiece on a 2-core machine). The MPI tests skip when mpirun or mpi4py is missing.
+(about 4-8 s apiece on a 2-core machine). The MPI tests skip when mpirun or mpi4py is missing,
+the DeepSpeed runs when deepspeed is not installed (its op compiles once, ~30 s, then loads
+from torch's extension cache).
 """
 
 import json
@@ -12,10 +15,12 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import bench  # noqa: E402
+from benchmarks import bench, deepspeed_peer  # noqa: E402
 
 MPI_WHY = bench.mpi_unavailable()
 needs_mpi = pytest.mark.skipif(MPI_WHY is not None, reason=f"mpi4py peer unavailable: {MPI_WHY}")
+needs_deepspeed = pytest.mark.skipif(not deepspeed_peer.installed(),
+                                     reason="deepspeed is not installed")
 
 
 def _run(tmp_path, *argv):
@@ -188,3 +193,52 @@ def test_mpi4py_corrupted_result_is_detected(tmp_path):
                                        "all_gather", "all_gather", "reduce_scatter",
                                        "reduce_scatter"]
     assert all(r["wrong"] > 0 for r in rows)
+
+
+# ---------------------------------------------------------------------------------------
+# DeepSpeed
+# ---------------------------------------------------------------------------------------
+def _deepspeed_segments():
+    return {n for n in os.listdir("/dev/shm") if n.startswith("deepspeed_allreduce_buffer")}
+
+
+@pytest.mark.timeout(120)
+def test_deepspeed_reports_what_its_op_cannot_do_and_others_go_on(tmp_path):
+    assert "int32" in deepspeed_peer.unavailable(["all_reduce"], "int32")
+    assert "only all_reduce" in deepspeed_peer.unavailable(["broadcast"], "float32")
+    code, rows, errors = _run(tmp_path, "--backends", "deepspeed,memcpy", "--world-sizes", "2",
+                              "--ops", "all_reduce", "--dtype", "int32", "-b", "8", "-e", "8",
+                              "-n", "3")
+    assert code == bench.EXIT_ERROR
+    assert [(e["backend"], e["kind"]) for e in errors] == [("deepspeed", "unavailable")]
+    assert [r["backend"] for r in rows] == ["memcpy"] and rows[0]["wrong"] == 0
+
+
+@needs_deepspeed
+@pytest.mark.timeout(240)
+def test_deepspeed_rows_verified_other_ops_skipped_no_segment_left(tmp_path, capsys):
+    before = _deepspeed_segments()
+    code, rows, errors = _run(tmp_path, "--backends", "deepspeed", "--world-sizes", "2",
+                              "--ops", "all_reduce,broadcast", "-b", "8", "-e", "64K",
+                              "-f", "64", "-n", "3")
+    assert not errors, json.dumps(errors, indent=1)
+    assert code == bench.EXIT_OK
+    assert [(r["op"], r["nbytes"]) for r in rows] == [("all_reduce", nb) for nb in (8, 512, 32768)]
+    for r in rows:
+        assert r["backend"] == "deepspeed" and r["wrong"] == 0 and r["time_us"] > 0
+        assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"])  # 2(n-1)/n = 1 at n = 2
+    assert "has no broadcast: skipped" in capsys.readouterr().out
+    assert _deepspeed_segments() == before  # the op never unlinks them; the bench does
+
+
+@needs_deepspeed
+@pytest.mark.timeout(240)
+def test_deepspeed_corrupted_result_is_detected(tmp_path):
+    """--inject-error damages one output element after every DeepSpeed call: the rows must
+    count it (the peer is verified like every other backend)."""
+    code, rows, errors = _run(tmp_path, "--backends", "deepspeed", "--world-sizes", "2",
+                              "--ops", "all_reduce", "-b", "8", "-e", "256", "-f", "32",
+                              "-n", "3", "--inject-error")
+    assert not errors, json.dumps(errors, indent=1)
+    assert code == bench.EXIT_WRONG
+    assert len(rows) == 2 and all(r["wrong"] > 0 for r in rows)
