@@ -4,9 +4,9 @@
     python -m benchmarks.report results/report.jsonl
 
 Per collective and world size: latency (median time per call, us) at the small sizes and
-busbw (GB/s) at the large ones, shm / gloo / mpi4py side by side from the same run, with
-shm's ratio to each peer, and shm's busbw as a fraction of the machine's single-core memcpy
-read+write bandwidth at the same size (the memcpy rows of the run). Sizes missing from the
+busbw (GB/s) at the large ones, shm and the peers of the run (gloo, mpi4py, deepspeed) side
+by side, gloo's time over shm's, and shm's busbw as a fraction of the machine's single-core
+memcpy read+write bandwidth at the same size (the memcpy rows of the run). Sizes missing from the
 run are left out; a backend that failed shows "-".
 """
 
@@ -17,7 +17,7 @@ import sys
 
 LATENCY_SIZES = (8, 1 << 10, 64 << 10)
 BUSBW_SIZES = (1 << 20, 16 << 20, 256 << 20)
-PEERS = ("gloo", "mpi4py")
+PEERS = ("gloo", "mpi4py", "deepspeed")  # those present in the run
 
 
 def load(path):
