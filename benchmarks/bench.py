@@ -13,7 +13,7 @@ spawn context), each rank runs every (op, size), verifies the result exactly and
 per-iteration median; rank 0 combines the ranks and appends rows to an event file that the
 parent prints as they arrive. The parent enforces deadlines and kills stragglers.
 
-Two backend names are reference peers, not torch.distributed backends:
+Three backend names are reference peers, not torch.distributed backends:
 
 * ``mpi4py``: the same ops through Open MPI's shared-memory transport. The parent runs
   ``mpirun --allow-run-as-root --oversubscribe -n N --bind-to none --mca pml ob1 --mca btl
@@ -21,6 +21,8 @@ Two backend names are reference peers, not torch.distributed backends:
   same deadlines; its ranks use the buffers, verification, iteration plan, timing loop
   (``_bench_one``) and row format (``make_row``) of the torch ranks. Without mpirun or mpi4py
   it is reported as an "unavailable" error and the other backends still run.
+* ``deepspeed``: DeepSpeed's CPU shm all-reduce (benchmarks/deepspeed_peer.py): gloo ranks
+  whose timed call is ``torch.ops.deepspeed.inference_all_reduce_``; all_reduce only.
 * ``memcpy``: single-core ``np.copyto`` of each size in the parent process (verified, median
   after warmup), op "memcpy", world_size 1, busbw = 2*nbytes/time (bytes read + written).
   It runs once, first, and adds a table of every row's busbw / memcpy read+write bandwidth
