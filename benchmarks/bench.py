@@ -447,13 +447,14 @@ def _worker(rank: int, cfg: dict) -> None:
                                     rank=rank, world_size=n,
                                     timeout=datetime.timedelta(seconds=cfg["op_timeout"]))
         except BaseException as e:  # noqa: BLE001
-            msg = f"init_process_group(backend={backend!r}) failed: {type(e).__name__}: {e}"
-            if backend.split(":")[-1].lower() not in _TORCH_BACKENDS:
+            msg = f"init_process_group(backend={pg_backend!r}) failed: {type(e).__name__}: {e}"
+            if pg_backend.split(":")[-1].lower() not in _TORCH_BACKENDS:
                 if import_error:
                     msg += f"\n    import shmcoll failed: {import_error}"
-                elif backend.lower() not in getattr(dist.Backend, "backend_list", [backend]):
+                elif pg_backend.lower() not in getattr(dist.Backend, "backend_list",
+                                                       [pg_backend]):
                     msg += ("\n    `import shmcoll` worked but did not register a backend "
-                            f"named {backend!r}")
+                            f"named {pg_backend!r}")
             raise _Fatal(msg) from e
 
         # Side group for bookkeeping (timings, wrong counts): always gloo, so the numbers

@@ -242,3 +242,13 @@ def test_deepspeed_corrupted_result_is_detected(tmp_path):
     assert not errors, json.dumps(errors, indent=1)
     assert code == bench.EXIT_WRONG
     assert len(rows) == 2 and all(r["wrong"] > 0 for r in rows)
+
+
+@pytest.mark.timeout(120)
+def test_unknown_backend_is_reported_at_init_by_name(tmp_path):
+    code, rows, errors = _run(tmp_path, "--backends", "nosuch,memcpy", "--world-sizes", "2",
+                              "--ops", "all_reduce", "-b", "8", "-e", "8", "-n", "3")
+    assert code == bench.EXIT_ERROR
+    assert [(e["backend"], e["kind"]) for e in errors] == [("nosuch", "init failed")]
+    assert "did not register a backend named 'nosuch'" in errors[0]["message"]
+    assert [r["backend"] for r in rows] == ["memcpy"]
