@@ -783,13 +783,13 @@ def _warn_shm_leaks(rep, backend, world_size, shm_before) -> None:
 
 
 def _rank_cfg(backend, world_size, rundir, args, **extra) -> dict:
-    return dict(
+    """What every rank needs; `extra` adds keys or overrides these (a peer's ops)."""
+    return {**dict(
         backend=backend, world_size=world_size, rundir=str(rundir),
         ops=args.ops, sizes=args.sizes, dtype=args.dtype, iters=args.iters,
         warmup=args.warmup, iter_bytes=args.iter_bytes, min_iters=args.min_iters,
         seed=args.seed, root=args.root, threads=args.threads, check_all=args.check_all,
-        inject_error=args.inject_error, **extra,
-    )
+        inject_error=args.inject_error), **extra}
 
 
 def run_config(backend: str, world_size: int, args, rep: Reporter) -> None:
@@ -807,11 +807,12 @@ def run_config(backend: str, world_size: int, args, rep: Reporter) -> None:
         if why:
             rep.error(backend, world_size, "unavailable", why)
             return
-        skipped = [op for op in args.ops if op not in deepspeed_peer.OPS]
-        if skipped:
+        ops = [op for op in args.ops if op in deepspeed_peer.OPS]
+        if ops != args.ops:
+            skipped = [op for op in args.ops if op not in ops]
             rep.warn(backend, world_size, f"DeepSpeed's shm op has no {', '.join(skipped)}: "
                                           "skipped")
-        extra = dict(peer_token=_free_port())  # names this run's segments (see cleanup)
+        extra = dict(ops=ops, peer_token=_free_port())  # the token names this run's segments
     import torch.multiprocessing as mp
 
     rundir = Path(tempfile.mkdtemp(prefix=f"bench-{backend.replace(':', '_')}-{world_size}-"))
@@ -821,8 +822,6 @@ def run_config(backend: str, world_size: int, args, rep: Reporter) -> None:
         init_method = f"file://{rundir / 'rendezvous'}"
     cfg = _rank_cfg(backend, world_size, rundir, args, init_method=init_method,
                     op_timeout=max(10.0, 0.75 * args.stall_timeout), **extra)
-    if backend == DEEPSPEED:
-        cfg["ops"] = [op for op in args.ops if op in deepspeed_peer.OPS]
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_worker, args=(r, cfg), daemon=True,
                          name=f"bench-{backend}-ws{world_size}-rank{r}")
@@ -884,7 +883,6 @@ def run_config(backend: str, world_size: int, args, rep: Reporter) -> None:
 # peer: Open MPI through mpi4py (benchmarks/mpi_peer.py under mpirun)
 # ---------------------------------------------------------------------------------------
 MPI4PY, MEMCPY, DEEPSPEED = "mpi4py", "memcpy", "deepspeed"
-PEERS = (MPI4PY, MEMCPY, DEEPSPEED)
 DEFAULT_MPIRUN_ARGS = "--bind-to none --mca pml ob1 --mca btl self,sm"
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 
