@@ -102,6 +102,7 @@ class Group:
         self._poison = None
         self._closed = False
         self.flight_record = collections.deque(maxlen=FLIGHT_RECORD_LEN)
+        self._plans = {}  # all_reduce of contiguous arrays: see _plan_all_reduce
 
     # -- state -----------------------------------------------------------------------
 
@@ -147,20 +148,41 @@ class Group:
                 # Nothing to move (count 0): still one post/wait, so every collective checks
                 # fingerprints and a rank whose count is not 0 cannot be left waiting.
                 arena.exchange()
-        except CollectiveMismatchError:
-            entry["state"], entry["t_end"] = "mismatch", time.time()
-            raise
-        except ValueError:
-            entry["state"], entry["t_end"] = "invalid", time.time()
-            raise
         except BaseException as e:
-            entry["state"], entry["t_end"] = "failed", time.time()
-            self._poison = e
-            arena.abort_at(seq)  # peers waiting for us (at seq or later) fail fast
-            if isinstance(e, CollectiveTimeoutError):
-                self.dump_flight_record()
+            self._failed(entry, seq, e)
             raise
         entry["state"], entry["t_end"] = "completed", time.time()
+
+    def _run_fused(self, plan, flat, timeout_s):
+        """_run for an all_reduce the Arena runs as one compiled call, framing included
+        (plan.fused: Arena.all_reduce_fused)."""
+        self._seq += 1
+        seq = self._seq
+        entry = {"seq": seq, "op": "all_reduce", "nbytes": plan.nbytes, "state": "started",
+                 "t_start": time.time(), "t_end": None}
+        self.flight_record.append(entry)
+        try:
+            self._arena.all_reduce_fused(seq, plan.words, plan.spec.pre, plan.spec.post, flat,
+                                         self.timeout_s if timeout_s is None
+                                         else float(timeout_s))
+        except BaseException as e:
+            self._failed(entry, seq, e)
+            raise
+        entry["state"], entry["t_end"] = "completed", time.time()
+
+    def _failed(self, entry, seq, e):
+        """Record collective `seq`'s failure `e`; poison the group unless it stays usable (a
+        mismatch or an invalid argument changed no shared state)."""
+        if isinstance(e, CollectiveMismatchError):
+            entry["state"], entry["t_end"] = "mismatch", time.time()
+        elif isinstance(e, ValueError):
+            entry["state"], entry["t_end"] = "invalid", time.time()
+        else:
+            entry["state"], entry["t_end"] = "failed", time.time()
+            self._poison = e
+            self._arena.abort_at(seq)  # peers waiting for us (at seq or later) fail fast
+            if isinstance(e, CollectiveTimeoutError):
+                self.dump_flight_record()
 
     def dump_flight_record(self, logger=log):
         """Log the last collectives of this rank (seq, op, bytes, state, timestamps)."""
@@ -197,24 +219,55 @@ class Group:
             self._usable("all_reduce")
         if type(array) is not np.ndarray:
             _check_arrays("all_reduce", [array])
+        if array.flags.c_contiguous:  # the common case: no _Flat, its plan cached
+            key = (array.dtype, array.shape, op, dtype, premul)
+            plan = self._plans.get(key)
+            if plan is None:
+                plan = self._plan_all_reduce(key, array)
+            flat = array if array.ndim == 1 else array.reshape(-1)
+            if plan.storage is not None:
+                flat = flat.view(plan.storage)
+            if plan.fused:
+                self._run_fused(plan, flat, timeout_s)
+            else:
+                self._run("all_reduce", plan.fp, plan.algo, flat, plan.spec,
+                          timeout_s=timeout_s, nbytes=plan.nbytes)
+            return array
         dt = dtype_of(array, dtype)
         spec = reduce_spec(op, dt, self.world_size, "all_reduce", premul)
-        if array.flags.c_contiguous:  # the common case, without a _Flat
-            flat = array if array.ndim == 1 else array.reshape(-1)
-            if flat.dtype != dt.storage:
-                flat = flat.view(dt.storage)
-            f = None
-        else:
-            f = _Flat(array, dt.storage)
-            flat = f.flat
-        nbytes = flat.nbytes
+        f = _Flat(array, dt.storage)
+        flat = f.flat
         algo = _local_reduce if self._arena is None else \
-            self._select("all_reduce", nbytes)
+            self._select("all_reduce", flat.nbytes)
         self._run("all_reduce", (dt.code, flat.size, 0, int(op), _shape(array)), algo,
-                  flat, spec, timeout_s=timeout_s, nbytes=nbytes)
-        if f is not None:
-            f.write_back()
+                  flat, spec, timeout_s=timeout_s, nbytes=flat.nbytes)
+        f.write_back()
         return array
+
+    def _plan_all_reduce(self, key, array):
+        """What all_reduce of a contiguous array derives from its dtype, shape and op
+        (argument checks, fingerprint, reduction, algorithm), once per such key: the
+        latency path then does one dict lookup instead of ~2 us of Python per call."""
+        _, _, op, dtype, premul = key
+        dt = dtype_of(array, dtype)
+        spec = reduce_spec(op, dt, self.world_size, "all_reduce", premul)
+        plan = _AllReducePlan()
+        plan.spec = spec
+        plan.storage = None if array.dtype == dt.storage else dt.storage
+        plan.nbytes = nbytes = array.nbytes
+        plan.fp = (dt.code, array.size, 0, int(op), _shape(array))
+        if self._arena is None:
+            plan.algo, plan.fused = _local_reduce, False
+        else:
+            plan.algo = self._select("all_reduce", nbytes)
+            plan.fused = algorithms.fused_all_reduce(plan.algo, self._arena, nbytes,
+                                                     dt.storage.itemsize)
+        plan.words = np.array((_CODE["all_reduce"],) + plan.fp
+                              + (spec.op, spec.kind == "bfloat16"), np.int64)
+        if len(self._plans) >= _MAX_PLANS:  # shapes that never repeat: bound the cache
+            self._plans.clear()
+        self._plans[key] = plan
+        return plan
 
     def broadcast(self, array, root=0, timeout_s=None):
         """Copy `array` from `root` to every rank, in place."""
@@ -484,6 +537,17 @@ class Group:
         self._closers = []
         if first is not None:
             raise first
+
+
+class _AllReducePlan:
+    """Group._plan_all_reduce's result: spec (ops.ReduceSpec), storage (dtype to view the
+    array as, or None), nbytes, fp (fingerprint words after the collective code), algo,
+    fused (run by Arena.all_reduce_fused) and words (that call's int64 plan)."""
+
+    __slots__ = ("spec", "storage", "nbytes", "fp", "algo", "fused", "words")
+
+
+_MAX_PLANS = 256
 
 
 def _check_arrays(name, arrays, same_dtype=False):

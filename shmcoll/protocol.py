@@ -160,6 +160,10 @@ STREAM_RING = 2
 STREAM_REDUCE, STREAM_GATHER = 0, 1  # what Arena._stream does with each sub-chunk
 SLEEP_MIN_S = 20e-6
 SLEEP_MAX_S = 1e-3
+# Words of Arena._cfg (the fused kernel's constants) and rows of Arena._peer_tab.
+(_CFG_RANK, _CFG_SPINS, _CFG_YIELD_NS, _CFG_POSTED, _CFG_STATE, _CFG_SEQ, _CFG_GIL,
+ _CFG_GIL_ME, _CFG_VERIFY, _CFG_FP0) = range(10)
+_PEER_POSTED, _PEER_STATE, _PEER_FP0 = 0, 1, 2
 
 
 class RegionLayout:
@@ -318,8 +322,16 @@ class Arena:
         # Ranks that are threads of one process: (address of their "Python turn" word, my
         # id in it); see _gil_leave. (0, 0): no turn-taking (ranks that are processes).
         self._gil_addr, self._gil_me = gil_turn if gil_turn is not None else (0, 0)
-        # Rule 4 is always on; False only lets a benchmark measure what the check costs.
-        self.verify = True
+        # The constants of the fused one-shot kernel (_one_shot_kernel), one array so that
+        # the compiled call takes few arguments (each costs ~50 ns of dispatch): my words'
+        # addresses, wait tiers, GIL turn, rule-4 switch; and one row per kind of peer word.
+        self._cfg = np.array([rank, self._spins, YIELD_NS, self._posted_addr, self._state_addr,
+                              self._seq_addr, self._gil_addr, self._gil_me, 1,
+                              self._fp_addrs[0]], np.int64)
+        self._peer_tab = np.array([self._peer_posted, self._peer_state]
+                                  + self._peer_fp_addrs, np.int64).reshape(
+                                      2 + FP_RING, self.world_size - 1)
+        self._verify = True
         # per-collective state
         self._seq = 0
         self._op_name = "?"
@@ -330,6 +342,16 @@ class Arena:
         self._timeout_s = 0.0
         self._slot_at_begin = 0
         self._begin_step = 0
+
+    @property
+    def verify(self):
+        """Rule 4 (fingerprint check) on; False only lets a benchmark measure its cost."""
+        return self._verify
+
+    @verify.setter
+    def verify(self, on):
+        self._verify = bool(on)
+        self._cfg[_CFG_VERIFY] = int(self._verify)
 
     # -- collective framing ------------------------------------------------------------
 
@@ -421,7 +443,7 @@ class Arena:
                              fp[0], fp[1], fp[2], fp[3], fp[4], fp[5], fp[6], fp[7],
                              self._seq_addr, self._seq, self._posted_addr, step,
                              self._peer_posted, peer_fp, self._peer_state, self._spins,
-                             YIELD_NS, self._state_addr, self.verify, self._gil_addr,
+                             YIELD_NS, self._state_addr, self._verify, self._gil_addr,
                              self._gil_me)
         self._fp_unwritten = False
         self._step = step
@@ -434,6 +456,45 @@ class Arena:
         size = buf.itemsize
         self._stream(i, STREAM_REDUCE, buf, start * size, n * size, sub_nbytes,
                      spec.op, spec.pre, spec.post, spec.kind == "bfloat16", _NO_BYTES)
+
+    def all_reduce_fused(self, seq, plan, pre, post, buf, timeout_s):
+        """Collective `seq`: the one-shot all_reduce of `buf` (1-D, contiguous, at most one
+        sub-chunk: algorithms.fused_all_reduce) as one compiled call -- begin, claim, copy-in, post,
+        wait, fingerprint check, reduce -- instead of the ~8 us of Python bookkeeping
+        between begin(), next_slot(), claim() and exchange_reduce(). Same slot, steps,
+        fingerprint and stores as that sequence (all_reduce_one_shot), so a peer that takes
+        the general path for the same collective (a strided array, say) matches it.
+
+        `plan`: int64 [collective code, dtype code, count, root, op, shape word, kernel op,
+        bf16] (fingerprint words 2-7, then the reduction); pre/post as in ops.ReduceSpec.
+        Anything but a clean pass (a late peer, a mismatch, an abort) is finished by the same
+        Python as the general path (_finish_wait), which owns the slow tiers and errors.
+        """
+        self._seq = seq
+        self._op_name = "all_reduce"
+        self._timeout_s = timeout_s
+        self._deadline = time.monotonic() + timeout_s
+        i = self._next_slot
+        if self._known_min < self._free_at[i]:  # rare: a peer may still read slot i
+            self.wait_all(self._free_at[i])
+        step = self._step + 1
+        srcs = self._slot_addrs[i]
+        r = _one_shot_kernel(buf, self._cfg, self._peer_tab, srcs, plan, pre, post, seq, step)
+        self._next_slot = i + 1 if i + 1 < self.nslots else 0
+        self._free_at[i] = step + 1
+        self._step = step
+        if r == -1:
+            self._known_min = step
+            return
+        # The kernel posted (with the fingerprint) but did not finish: the general path's
+        # state for this collective, as begin() would have left it, then its slow wait.
+        self._fp_list = [seq, step - 1, *plan[:FP_WORDS - 2].tolist()]
+        self._fp_unwritten = False
+        self._fp_pending = True
+        self._begin_step = step - 1
+        self._slot_at_begin = i
+        self._finish_wait(step, r, True)
+        _reduce_chunk(buf, 0, buf.nbytes, srcs, self.rank, plan[6], pre, post, plan[7] != 0)
 
     def exchange_gather(self, i, inp, out, sub_nbytes):
         """out[j * inp.size: (j + 1) * inp.size] = rank j's `inp`, for every rank j (uint8
@@ -457,7 +518,7 @@ class Arena:
         sub-chunks fill whole sub-slots: nothing overlaps across them, so smaller ones
         would only add waits."""
         nbytes = buf.nbytes
-        sub = self._sub_nbytes(buf.itemsize, self.slot_nbytes)
+        sub = self.sub_nbytes(buf.itemsize, self.slot_nbytes)
         nphase = 2 * max(1, -(-nbytes // sub))
         step0 = self._step
         self._free_at[i] = step0 + nphase + 1
@@ -470,7 +531,7 @@ class Arena:
                 buf, sub, p, dst, fp_addr, fp[0], fp[1], fp[2], fp[3], fp[4], fp[5], fp[6],
                 fp[7], self._seq_addr, self._seq, self._posted_addr, step0, self._peer_posted,
                 peer_fp, self._peer_state, self._spins, YIELD_NS, self._state_addr,
-                self.verify, srcs, self.rank, op, pre, post, bf16, self._gil_addr,
+                self._verify, srcs, self.rank, op, pre, post, bf16, self._gil_addr,
                 self._gil_me)
             self._fp_unwritten = False
             if self._settle(step0, nphase, done, r, fp_addr):
@@ -496,7 +557,7 @@ class Arena:
         every peer post sub-chunk k - 1, and a peer posts k - 1 only after it consumed
         k - 2, the last read of that sub-slot.
         """
-        sub = self._sub_nbytes(src.itemsize, sub_nbytes)
+        sub = self.sub_nbytes(src.itemsize, sub_nbytes)
         nsub = max(1, -(-nbytes // sub))
         step0 = self._step
         self._free_at[i] = step0 + nsub + 1
@@ -508,7 +569,7 @@ class Arena:
                 mode, src, byte_offset, nbytes, sub, k, dst, fp_addr,
                 fp[0], fp[1], fp[2], fp[3], fp[4], fp[5], fp[6], fp[7],
                 self._seq_addr, self._seq, self._posted_addr, step0, self._peer_posted, peer_fp,
-                self._peer_state, self._spins, YIELD_NS, self._state_addr, self.verify, srcs,
+                self._peer_state, self._spins, YIELD_NS, self._state_addr, self._verify, srcs,
                 self.rank, op, pre, post, bf16, out, self._gil_addr, self._gil_me)
             self._fp_unwritten = False
             if self._settle(step0, nsub, done, r, fp_addr):
@@ -521,7 +582,7 @@ class Arena:
                 self._step = step0 + nsub
                 return
 
-    def _sub_nbytes(self, itemsize, want):
+    def sub_nbytes(self, itemsize, want):
         """Sub-chunk size for the STREAM_RING sub-slots of a slot: at most `want` bytes and
         a sub-slot, whole elements, at least one."""
         sub = max(itemsize, min(want, self.slot_nbytes // STREAM_RING))
@@ -712,7 +773,7 @@ class Arena:
 
     def _check_fingerprints(self):
         self._fp_pending = False
-        if not self.verify:
+        if not self._verify:
             return
         mine = self._fp_list
         line = (FP_LINE0 + self._seq % FP_RING) * LINE_WORDS
@@ -785,6 +846,10 @@ def warm_up(storage=_STORAGE):
     w = words.ctypes.data
     none = np.zeros(0, np.int64)
     srcs = np.array([w], np.int64)
+    cfg = np.zeros(_CFG_FP0 + 1, np.int64)
+    cfg[[_CFG_POSTED, _CFG_STATE, _CFG_SEQ, _CFG_FP0]] = (w + 8, w + 16, w, w + 24)
+    tab = np.zeros((2 + FP_RING, 0), np.int64)
+    plan = np.zeros(8, np.int64)
     for dt in storage:
         a = np.zeros(1, dt)
         fp = (0, 0, 0, 0, 0, 0, 0, 0)
@@ -796,6 +861,7 @@ def warm_up(storage=_STORAGE):
                          w + 16, True, srcs, 0, 0, 1.0, 1.0, False, 0, 0)
         _two_shot_consume(0, a[:0], 64, srcs, 0, 0, 1.0, 1.0, False)
         _reduce_chunk(a, 0, 0, srcs, 0, 0, 1.0, 1.0, False)
+        _one_shot_kernel(a[:0], cfg, tab, srcs, plan, 1.0, 1.0, 0, 0)
         reduce_from_peers(CMA, none, srcs, 0, a[:0], 0, a, 1, 0, 1.0, 1.0, False)
     _wait_kernel(none, 0, 0, 0, w + 16, 0, 0)
     gather_from_peers(CMA, none, 0, none, none, none, none)
@@ -816,6 +882,27 @@ def _exchange_kernel(src, byte_offset, nbytes, dst, fp_addr, f0, f1, f2, f3, f4,
                         seq_addr, seq, posted_addr, step, peer_posted, peer_fp, peer_state,
                         spins, yield_ns, abort_addr, verify)
     _gil_leave(gil_addr, gil_me, r, spins)
+    return r
+
+
+@numba.njit(nogil=True, cache=True)
+def _one_shot_kernel(buf, cfg, peer_tab, srcs, plan, pre, post, seq, step):
+    """Arena.all_reduce_fused's compiled body: _exchange_steps (copy buf into my sub-slot 0
+    of the slot whose addresses are `srcs`, write fingerprint [seq, step - 1, *plan[:6]],
+    post `step`, wait, check), then, when that returned -1, reduce every rank's sub-slot in
+    rank order into buf (_reduce_chunk). Returns _exchange_steps' code."""
+    rank = cfg[_CFG_RANK]
+    spins = cfg[_CFG_SPINS]
+    _gil_enter(cfg[_CFG_GIL], cfg[_CFG_GIL_ME])
+    k = seq % FP_RING
+    r = _exchange_steps(buf, 0, buf.nbytes, srcs[rank], cfg[_CFG_FP0] + k * LINE_NBYTES,
+                        seq, step - 1, plan[0], plan[1], plan[2], plan[3], plan[4], plan[5],
+                        cfg[_CFG_SEQ], seq, cfg[_CFG_POSTED], step, peer_tab[_PEER_POSTED],
+                        peer_tab[_PEER_FP0 + k], peer_tab[_PEER_STATE], spins,
+                        cfg[_CFG_YIELD_NS], cfg[_CFG_STATE], cfg[_CFG_VERIFY] != 0)
+    if r == -1:
+        _reduce_chunk(buf, 0, buf.nbytes, srcs, rank, plan[6], pre, post, plan[7] != 0)
+    _gil_leave(cfg[_CFG_GIL], cfg[_CFG_GIL_ME], r, spins)
     return r
 
 

@@ -6,7 +6,8 @@ seam (protocol.Arena), so the process engine and the threaded engine run the sam
 
 from ..single_copy import CMA, IN_PROCESS, NONE
 from .all_gather import all_gather_direct, all_gather_single_copy
-from .all_reduce import all_reduce_one_shot, all_reduce_single_copy, all_reduce_two_shot
+from .all_reduce import all_reduce_one_shot, all_reduce_single_copy, all_reduce_two_shot, \
+    one_shot_is_one_call
 from .all_to_all import all_to_all_direct
 from .barrier import barrier_flags
 from .broadcast import broadcast_direct, broadcast_single_copy
@@ -15,7 +16,7 @@ from .reduce import reduce_direct
 from .reduce_scatter import reduce_scatter_direct, reduce_scatter_single_copy
 from .scatter import scatter_direct
 
-__all__ = ["select", "ONE_SHOT_MAX_NBYTES", "SINGLE_COPY_MIN"]
+__all__ = ["select", "fused_all_reduce", "ONE_SHOT_MAX_NBYTES", "SINGLE_COPY_MIN"]
 
 # all_reduce one-shot vs two-shot cut-over, by world size. One-shot reads N*S per rank and
 # needs one wait per sub-chunk; two-shot reads ~2*S but needs two waits (both run as one
@@ -84,3 +85,9 @@ def select(collective, nbytes, world_size, direct_max_nbytes=-1, single_copy=NON
         return _FIXED[collective]
     except KeyError:
         raise NotImplementedError(f"no algorithm for collective {collective!r}") from None
+
+
+def fused_all_reduce(algo, arena, nbytes, itemsize):
+    """True when the all_reduce algorithm `select` chose for `nbytes` runs as one compiled
+    call with its framing (Arena.all_reduce_fused): the one-shot path of one sub-chunk."""
+    return algo is all_reduce_one_shot and one_shot_is_one_call(arena, nbytes, itemsize)
