@@ -153,18 +153,18 @@ class Group:
             raise
         entry["state"], entry["t_end"] = "completed", time.time()
 
-    def _run_fused(self, plan, flat, timeout_s):
-        """_run for an all_reduce the Arena runs as one compiled call, framing included
-        (plan.fused: Arena.all_reduce_fused)."""
+    def _run_one_step(self, name, plan, src, out, root, timeout_s):
+        """_run for a collective the Arena runs as one compiled call, framing included
+        (plan.mode is not None: Arena.one_step); `root` -1 unless a broadcast."""
         self._seq += 1
         seq = self._seq
-        entry = {"seq": seq, "op": "all_reduce", "nbytes": plan.nbytes, "state": "started",
+        entry = {"seq": seq, "op": name, "nbytes": plan.nbytes, "state": "started",
                  "t_start": time.time(), "t_end": None}
         self.flight_record.append(entry)
         try:
-            self._arena.all_reduce_fused(seq, plan.words, plan.spec.pre, plan.spec.post, flat,
-                                         self.timeout_s if timeout_s is None
-                                         else float(timeout_s))
+            self._arena.one_step(seq, name, plan.mode, plan.words, plan.pre, plan.post, src,
+                                 out, root, self.timeout_s if timeout_s is None
+                                 else float(timeout_s))
         except BaseException as e:
             self._failed(entry, seq, e)
             raise
@@ -219,16 +219,17 @@ class Group:
             self._usable("all_reduce")
         if type(array) is not np.ndarray:
             _check_arrays("all_reduce", [array])
-        if array.flags.c_contiguous:  # the common case: no _Flat, its plan cached
-            key = (array.dtype, array.shape, op, dtype, premul)
+        flags = array.flags
+        if flags.c_contiguous and flags.writeable:  # the common case: no _Flat, plan cached
+            key = ("all_reduce", array.dtype, array.shape, op, dtype, premul)
             plan = self._plans.get(key)
             if plan is None:
                 plan = self._plan_all_reduce(key, array)
             flat = array if array.ndim == 1 else array.reshape(-1)
             if plan.storage is not None:
                 flat = flat.view(plan.storage)
-            if plan.fused:
-                self._run_fused(plan, flat, timeout_s)
+            if plan.mode is not None:
+                self._run_one_step("all_reduce", plan, flat, _NO_BYTES, -1, timeout_s)
             else:
                 self._run("all_reduce", plan.fp, plan.algo, flat, plan.spec,
                           timeout_s=timeout_s, nbytes=plan.nbytes)
@@ -248,30 +249,47 @@ class Group:
         """What all_reduce of a contiguous array derives from its dtype, shape and op
         (argument checks, fingerprint, reduction, algorithm), once per such key: the
         latency path then does one dict lookup instead of ~2 us of Python per call."""
-        _, _, op, dtype, premul = key
+        _, _, _, op, dtype, premul = key
         dt = dtype_of(array, dtype)
         spec = reduce_spec(op, dt, self.world_size, "all_reduce", premul)
-        plan = _AllReducePlan()
-        plan.spec = spec
-        plan.storage = None if array.dtype == dt.storage else dt.storage
-        plan.nbytes = nbytes = array.nbytes
-        plan.fp = (dt.code, array.size, 0, int(op), _shape(array))
-        if self._arena is None:
-            plan.algo, plan.fused = _local_reduce, False
-        else:
-            plan.algo = self._select("all_reduce", nbytes)
-            plan.fused = algorithms.fused_all_reduce(plan.algo, self._arena, nbytes,
-                                                     dt.storage.itemsize)
-        plan.words = np.array((_CODE["all_reduce"],) + plan.fp
-                              + (spec.op, spec.kind == "bfloat16"), np.int64)
-        if len(self._plans) >= _MAX_PLANS:  # shapes that never repeat: bound the cache
+        algo = _local_reduce if self._arena is None else \
+            self._select("all_reduce", array.nbytes)
+        return self._plan(key, "all_reduce", (dt.code, array.size, 0, int(op), _shape(array)),
+                          algo, array.nbytes, dt.storage, spec,
+                          None if array.dtype == dt.storage else dt.storage)
+
+    def _plan(self, key, name, fp, algo, nbytes, storage, spec=None, view=None):
+        """Cache a _Plan under `key` (bounded: shapes that never repeat do not grow it)."""
+        plan = _Plan()
+        plan.fp, plan.algo, plan.nbytes, plan.spec, plan.storage = fp, algo, nbytes, spec, view
+        plan.pre, plan.post = (spec.pre, spec.post) if spec is not None else (1.0, 1.0)
+        plan.mode = None if self._arena is None else \
+            algorithms.one_step_mode(algo, self._arena, nbytes, storage.itemsize)
+        plan.words = np.array((_CODE[name],) + fp + (
+            (spec.op, spec.kind == "bfloat16") if spec is not None else (0, 0)), np.int64)
+        if len(self._plans) >= _MAX_PLANS:
             self._plans.clear()
         self._plans[key] = plan
         return plan
 
     def broadcast(self, array, root=0, timeout_s=None):
         """Copy `array` from `root` to every rank, in place."""
-        self._usable("broadcast")
+        if self._poison is not None or self._closed:
+            self._usable("broadcast")
+        if type(array) is np.ndarray and self._arena is not None and \
+                array.flags.c_contiguous and array.flags.writeable:
+            key = ("broadcast", array.dtype, array.shape, root)
+            plan = self._plans.get(key)
+            if plan is None:
+                self._root("broadcast", root)
+                plan = self._plan(key, "broadcast", (_code_of(array), array.size, root, 0,
+                                                     _shape(array)),
+                                  self._select("broadcast", array.nbytes), array.nbytes,
+                                  np.dtype(np.uint8))
+            if plan.mode is not None:
+                self._run_one_step("broadcast", plan, _bytes(array), _NO_BYTES, root,
+                                   timeout_s)
+                return array
         self._root("broadcast", root)
         _check_arrays("broadcast", [array])
         f = _Flat(array, array.dtype, copy_in=(self.rank == root))
@@ -308,6 +326,18 @@ class Group:
                 and outs.dtype == array.dtype and outs.size == self.world_size * array.size:
             # One contiguous output (all_gather_into_tensor): gathered straight into it.
             src = array if array.flags.c_contiguous else np.ascontiguousarray(array)
+            if self._arena is not None:
+                key = ("all_gather", array.dtype, array.shape)
+                plan = self._plans.get(key)
+                if plan is None:
+                    plan = self._plan(key, "all_gather", (_code_of(array), src.size, 0, 0,
+                                                          _shape(array)),
+                                      self._select("all_gather", src.nbytes), src.nbytes,
+                                      np.dtype(np.uint8))
+                if plan.mode is not None:
+                    self._run_one_step("all_gather", plan, _bytes(src), _bytes(outs), -1,
+                                       timeout_s)
+                    return outs
             self._run("all_gather", (_code_of(array), src.size, 0, 0, _shape(array)),
                       _local_all_gather if self._arena is None else
                       self._select("all_gather", src.nbytes),
@@ -539,14 +569,16 @@ class Group:
             raise first
 
 
-class _AllReducePlan:
-    """Group._plan_all_reduce's result: spec (ops.ReduceSpec), storage (dtype to view the
-    array as, or None), nbytes, fp (fingerprint words after the collective code), algo,
-    fused (run by Arena.all_reduce_fused) and words (that call's int64 plan)."""
+class _Plan:
+    """What a collective derives from its arguments' dtype, shape, op and root (Group._plan):
+    fp (fingerprint words after the collective code), algo, nbytes, spec (ops.ReduceSpec or
+    None) with its pre/post, storage (dtype to view the array as, or None), mode (the
+    Arena.one_step mode, or None: the general path) and words (that call's int64 plan)."""
 
-    __slots__ = ("spec", "storage", "nbytes", "fp", "algo", "fused", "words")
+    __slots__ = ("fp", "algo", "nbytes", "spec", "pre", "post", "storage", "mode", "words")
 
 
+_NO_BYTES = np.zeros(0, np.uint8)
 _MAX_PLANS = 256
 
 

@@ -44,7 +44,10 @@ Rules (each rank, for every collective, in the same order on every rank):
 2. post(): store_release(POSTED, POSTED + 1). Everything written before (slot data,
    fingerprint) is visible to a peer that load_acquires POSTED >= that value.
    exchange() is copy-in + rules 1-4 in one compiled call (the small-message path): the
-   same stores, loads and order, without a Python round trip between them.
+   same stores, loads and order, without a Python round trip between them. one_step()
+   goes further for collectives that are a single step through one slot (small
+   all_reduce, broadcast, all_gather): begin, claim (rule 6), copy-in, rules 1-4 and the
+   consume are one compiled call, and Python only runs when a wait is not met at once.
 3. wait_all(t): load_acquire every peer's POSTED until >= t. Counters only grow, so the
    predicate is `>=`, never `==`: a fast peer that already moved on cannot be missed (the
    DeepSpeed #4048 bug class), and no word is ever reset.
@@ -111,6 +114,9 @@ __all__ = [
     "STATE_LIVE",
     "STATE_ABORTED",
     "STATE_CLOSED",
+    "ONE_STEP_REDUCE",
+    "ONE_STEP_BROADCAST",
+    "ONE_STEP_GATHER",
 ]
 
 MAGIC = int.from_bytes(b"SHMCOLL\x01", "little")
@@ -158,6 +164,7 @@ GIL_LEAVE_NS = 200_000
 # that needs no waits beyond the per-sub-chunk one (rule 6).
 STREAM_RING = 2
 STREAM_REDUCE, STREAM_GATHER = 0, 1  # what Arena._stream does with each sub-chunk
+ONE_STEP_REDUCE, ONE_STEP_BROADCAST, ONE_STEP_GATHER = 0, 1, 2  # Arena.one_step's modes
 SLEEP_MIN_S = 20e-6
 SLEEP_MAX_S = 1e-3
 # Words of Arena._cfg (the fused kernel's constants) and rows of Arena._peer_tab.
@@ -322,7 +329,7 @@ class Arena:
         # Ranks that are threads of one process: (address of their "Python turn" word, my
         # id in it); see _gil_leave. (0, 0): no turn-taking (ranks that are processes).
         self._gil_addr, self._gil_me = gil_turn if gil_turn is not None else (0, 0)
-        # The constants of the fused one-shot kernel (_one_shot_kernel), one array so that
+        # The constants of the one-step kernel (_one_step_kernel), one array so that
         # the compiled call takes few arguments (each costs ~50 ns of dispatch): my words'
         # addresses, wait tiers, GIL turn, rule-4 switch; and one row per kind of peer word.
         self._cfg = np.array([rank, self._spins, YIELD_NS, self._posted_addr, self._state_addr,
@@ -457,13 +464,20 @@ class Arena:
         self._stream(i, STREAM_REDUCE, buf, start * size, n * size, sub_nbytes,
                      spec.op, spec.pre, spec.post, spec.kind == "bfloat16", _NO_BYTES)
 
-    def all_reduce_fused(self, seq, plan, pre, post, buf, timeout_s):
-        """Collective `seq`: the one-shot all_reduce of `buf` (1-D, contiguous, at most one
-        sub-chunk: algorithms.fused_all_reduce) as one compiled call -- begin, claim, copy-in, post,
-        wait, fingerprint check, reduce -- instead of the ~8 us of Python bookkeeping
-        between begin(), next_slot(), claim() and exchange_reduce(). Same slot, steps,
-        fingerprint and stores as that sequence (all_reduce_one_shot), so a peer that takes
-        the general path for the same collective (a strided array, say) matches it.
+    def one_step(self, seq, op_name, mode, plan, pre, post, src, out, root, timeout_s):
+        """Collective `seq` when it is a single step through one slot, as one compiled call
+        -- begin, claim, copy-in, post, wait, fingerprint check, consume -- instead of the
+        ~6-8 us of Python between begin(), next_slot(), claim() and the exchange. Same
+        slot, step, fingerprint and stores as the general path of the same collective, so
+        a peer that takes that path (a strided array, say) matches it. The modes (see
+        algorithms.one_step_mode for when each applies):
+
+        ONE_STEP_REDUCE: all_reduce_one_shot of one sub-chunk; `src` (1-D, contiguous)
+            becomes the reduction in rank order of every rank's `src`.
+        ONE_STEP_BROADCAST: broadcast_direct of one chunk; the root (rank `root`) copies
+            `src` in, every other rank copies the root's slot out into its `src`.
+        ONE_STEP_GATHER: all_gather_direct into one array, of one sub-chunk; rank j's `src`
+            lands at out[j * src.nbytes:] (uint8 arrays).
 
         `plan`: int64 [collective code, dtype code, count, root, op, shape word, kernel op,
         bf16] (fingerprint words 2-7, then the reduction); pre/post as in ops.ReduceSpec.
@@ -471,17 +485,20 @@ class Arena:
         Python as the general path (_finish_wait), which owns the slow tiers and errors.
         """
         self._seq = seq
-        self._op_name = "all_reduce"
+        self._op_name = op_name
         self._timeout_s = timeout_s
         self._deadline = time.monotonic() + timeout_s
         i = self._next_slot
-        if self._known_min < self._free_at[i]:  # rare: a peer may still read slot i
+        publishes = root < 0 or root == self.rank  # broadcast: only the root fills a slot
+        if publishes and self._known_min < self._free_at[i]:  # rare: a peer may still read it
             self.wait_all(self._free_at[i])
         step = self._step + 1
         srcs = self._slot_addrs[i]
-        r = _one_shot_kernel(buf, self._cfg, self._peer_tab, srcs, plan, pre, post, seq, step)
+        r = _one_step_kernel(mode, src, out, self._cfg, self._peer_tab, srcs, plan, pre, post,
+                             seq, step, root)
         self._next_slot = i + 1 if i + 1 < self.nslots else 0
-        self._free_at[i] = step + 1
+        if publishes:
+            self._free_at[i] = step + 1
         self._step = step
         if r == -1:
             self._known_min = step
@@ -494,7 +511,8 @@ class Arena:
         self._begin_step = step - 1
         self._slot_at_begin = i
         self._finish_wait(step, r, True)
-        _reduce_chunk(buf, 0, buf.nbytes, srcs, self.rank, plan[6], pre, post, plan[7] != 0)
+        _one_step_consume(mode, src, out, srcs, self.rank, root, plan[6], pre, post,
+                          plan[7] != 0)
 
     def exchange_gather(self, i, inp, out, sub_nbytes):
         """out[j * inp.size: (j + 1) * inp.size] = rank j's `inp`, for every rank j (uint8
@@ -861,7 +879,9 @@ def warm_up(storage=_STORAGE):
                          w + 16, True, srcs, 0, 0, 1.0, 1.0, False, 0, 0)
         _two_shot_consume(0, a[:0], 64, srcs, 0, 0, 1.0, 1.0, False)
         _reduce_chunk(a, 0, 0, srcs, 0, 0, 1.0, 1.0, False)
-        _one_shot_kernel(a[:0], cfg, tab, srcs, plan, 1.0, 1.0, 0, 0)
+        for mode in (ONE_STEP_REDUCE, ONE_STEP_BROADCAST, ONE_STEP_GATHER):
+            _one_step_kernel(mode, a[:0], _NO_BYTES, cfg, tab, srcs, plan, 1.0, 1.0, 0, 0,
+                             -1)
         reduce_from_peers(CMA, none, srcs, 0, a[:0], 0, a, 1, 0, 1.0, 1.0, False)
     _wait_kernel(none, 0, 0, 0, w + 16, 0, 0)
     gather_from_peers(CMA, none, 0, none, none, none, none)
@@ -886,24 +906,38 @@ def _exchange_kernel(src, byte_offset, nbytes, dst, fp_addr, f0, f1, f2, f3, f4,
 
 
 @numba.njit(nogil=True, cache=True)
-def _one_shot_kernel(buf, cfg, peer_tab, srcs, plan, pre, post, seq, step):
-    """Arena.all_reduce_fused's compiled body: _exchange_steps (copy buf into my sub-slot 0
-    of the slot whose addresses are `srcs`, write fingerprint [seq, step - 1, *plan[:6]],
-    post `step`, wait, check), then, when that returned -1, reduce every rank's sub-slot in
-    rank order into buf (_reduce_chunk). Returns _exchange_steps' code."""
+def _one_step_kernel(mode, src, out, cfg, peer_tab, srcs, plan, pre, post, seq, step, root):
+    """Arena.one_step's compiled body: _exchange_steps (copy src into my slot of `srcs`
+    unless I am a broadcast's non-root, write fingerprint [seq, step - 1, *plan[:6]], post
+    `step`, wait, check), then, when that returned -1, _one_step_consume. Returns
+    _exchange_steps' code."""
     rank = cfg[_CFG_RANK]
     spins = cfg[_CFG_SPINS]
     _gil_enter(cfg[_CFG_GIL], cfg[_CFG_GIL_ME])
     k = seq % FP_RING
-    r = _exchange_steps(buf, 0, buf.nbytes, srcs[rank], cfg[_CFG_FP0] + k * LINE_NBYTES,
+    nbytes = src.nbytes if root < 0 or root == rank else 0
+    r = _exchange_steps(src, 0, nbytes, srcs[rank], cfg[_CFG_FP0] + k * LINE_NBYTES,
                         seq, step - 1, plan[0], plan[1], plan[2], plan[3], plan[4], plan[5],
                         cfg[_CFG_SEQ], seq, cfg[_CFG_POSTED], step, peer_tab[_PEER_POSTED],
                         peer_tab[_PEER_FP0 + k], peer_tab[_PEER_STATE], spins,
                         cfg[_CFG_YIELD_NS], cfg[_CFG_STATE], cfg[_CFG_VERIFY] != 0)
     if r == -1:
-        _reduce_chunk(buf, 0, buf.nbytes, srcs, rank, plan[6], pre, post, plan[7] != 0)
+        _one_step_consume(mode, src, out, srcs, rank, root, plan[6], pre, post, plan[7] != 0)
     _gil_leave(cfg[_CFG_GIL], cfg[_CFG_GIL_ME], r, spins)
     return r
+
+
+@numba.njit(nogil=True, cache=True)
+def _one_step_consume(mode, src, out, srcs, rank, root, op, pre, post, bf16):
+    """The work after Arena.one_step's wait, per mode (every rank's copy is in its slot
+    of `srcs`, at offset 0)."""
+    if mode == ONE_STEP_REDUCE:
+        _reduce_chunk(src, 0, src.nbytes, srcs, rank, op, pre, post, bf16)
+    elif mode == ONE_STEP_GATHER:
+        _consume(STREAM_GATHER, src, 0, src.nbytes, srcs, rank, op, pre, post, bf16, out, 0,
+                 src.nbytes)
+    elif rank != root:
+        copy_bytes(src.ctypes.data, srcs[root], src.nbytes)
 
 
 @numba.njit(nogil=True, cache=True)

@@ -4,8 +4,9 @@ Each algorithm lives in the module named after its collective and talks only to 
 seam (protocol.Arena), so the process engine and the threaded engine run the same code.
 """
 
+from ..protocol import ONE_STEP_BROADCAST, ONE_STEP_GATHER, ONE_STEP_REDUCE
 from ..single_copy import CMA, IN_PROCESS, NONE
-from .all_gather import all_gather_direct, all_gather_single_copy
+from .all_gather import all_gather_direct, all_gather_is_one_call, all_gather_single_copy
 from .all_reduce import all_reduce_one_shot, all_reduce_single_copy, all_reduce_two_shot, \
     one_shot_is_one_call
 from .all_to_all import all_to_all_direct
@@ -16,7 +17,7 @@ from .reduce import reduce_direct
 from .reduce_scatter import reduce_scatter_direct, reduce_scatter_single_copy
 from .scatter import scatter_direct
 
-__all__ = ["select", "fused_all_reduce", "ONE_SHOT_MAX_NBYTES", "SINGLE_COPY_MIN"]
+__all__ = ["select", "one_step_mode", "ONE_SHOT_MAX_NBYTES", "SINGLE_COPY_MIN"]
 
 # all_reduce one-shot vs two-shot cut-over, by world size. One-shot reads N*S per rank and
 # needs one wait per sub-chunk; two-shot reads ~2*S but needs two waits (both run as one
@@ -87,7 +88,14 @@ def select(collective, nbytes, world_size, direct_max_nbytes=-1, single_copy=NON
         raise NotImplementedError(f"no algorithm for collective {collective!r}") from None
 
 
-def fused_all_reduce(algo, arena, nbytes, itemsize):
-    """True when the all_reduce algorithm `select` chose for `nbytes` runs as one compiled
-    call with its framing (Arena.all_reduce_fused): the one-shot path of one sub-chunk."""
-    return algo is all_reduce_one_shot and one_shot_is_one_call(arena, nbytes, itemsize)
+def one_step_mode(algo, arena, nbytes, itemsize):
+    """The Arena.one_step mode that runs `algo` (as `select` chose it for `nbytes` per rank
+    in elements of `itemsize` bytes) as one compiled call with its framing -- it is then a
+    single step through one slot --, else None (the general path runs it)."""
+    if algo is all_reduce_one_shot:
+        return ONE_STEP_REDUCE if one_shot_is_one_call(arena, nbytes, itemsize) else None
+    if algo is broadcast_direct:  # count 0 takes no slot there (no chunk): general path
+        return ONE_STEP_BROADCAST if 0 < nbytes <= arena.slot_nbytes else None
+    if algo is all_gather_direct:  # the one-output-array form only (Group's call)
+        return ONE_STEP_GATHER if all_gather_is_one_call(arena, nbytes) else None
+    return None

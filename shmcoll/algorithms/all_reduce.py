@@ -32,9 +32,8 @@ def all_reduce_one_shot(arena, buf, spec):
 
 def one_shot_is_one_call(arena, nbytes, itemsize):
     """True when all_reduce_one_shot of `nbytes` is a single sub-chunk: then the caller may
-    run it, begin() included, as one compiled call (Arena.all_reduce_fused, the latency
-    path: ~2 us instead of ~9 us of engine time per call), same slot, steps and
-    fingerprint."""
+    run it, begin() included, as one compiled call (Arena.one_step, the latency path: ~2 us
+    instead of ~9 us of engine time per call), same slot, steps and fingerprint."""
     return nbytes <= arena.sub_nbytes(itemsize, STREAM_NBYTES)
 
 

@@ -1,0 +1,125 @@
+"""The one-step latency path (Arena.one_step): small all_reduce, broadcast and all_gather
+(into one array) run as one compiled call, framing included. It must be interchangeable
+with the general path of the same collective -- same slot, step and fingerprint -- because
+whether a rank takes it depends on that rank's own array (a strided one takes the general
+path); and it must hand late peers, mismatches and aborts to the same Python."""
+
+import time
+
+import numpy as np
+import pytest
+
+import harness
+from shmcoll import CollectiveMismatchError, ReduceOp
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+
+ROUNDS = 12
+JOB_TIMEOUT_S = 200
+
+
+def _array(values, strided):
+    """`values`, or a strided view holding them (every other element of a buffer)."""
+    if not strided:
+        return values.copy()
+    buf = np.zeros(2 * values.size, values.dtype)
+    buf[::2] = values
+    return buf[::2]
+
+
+def _late(rank, world_size, i):
+    """Every third call one rank arrives 50 ms late: the others' compiled wait gives up its
+    fast tiers (~2 ms) and Python finishes it (the slow path of Arena.one_step)."""
+    if i % 3 == 2 and rank == (i + 1) % world_size:
+        time.sleep(0.05)
+
+
+def _took_one_step(group, key, contiguous):
+    plan = group._plans.get(key)
+    return bool(contiguous and plan is not None and plan.mode is not None)
+
+
+def _values(count, rank, i, dtype=np.float32):
+    return (np.arange(count) + rank * 1000 + i).astype(dtype)
+
+
+def _job(rank, world_size, store, collective):
+    group = harness.new_group(store, rank, world_size)
+    try:
+        got, one_step = [], []
+        for i in range(ROUNDS):
+            count = (2, 3333)[i % 2]
+            strided = (rank + i) % 2 == 1
+            _late(rank, world_size, i)
+            if collective == "all_reduce":
+                array = _array(_values(count, rank, i), strided)
+                group.all_reduce(array)
+                key = ("all_reduce", array.dtype, array.shape, ReduceOp.SUM, None, 1.0)
+                got.append(array.tolist())
+            elif collective == "broadcast":
+                root = i % world_size
+                array = _array(_values(count, rank, i), strided)
+                group.broadcast(array, root)
+                key = ("broadcast", array.dtype, array.shape, root)
+                got.append(array.tolist())
+            else:
+                array = _array(_values(count, rank, i, np.int16), strided)
+                out = np.full(world_size * count, -1, np.int16)
+                group.all_gather(out, array)
+                key = ("all_gather", array.dtype, array.shape)
+                got.append(out.tolist())
+            # all_gather copies a strided input contiguous first: it takes the path anyway
+            one_step.append(_took_one_step(group, key, collective == "all_gather"
+                                           or array.flags.c_contiguous))
+        # a mismatch seen on the slow path (the odd rank out is late), then a matched call
+        x = np.ones(8, np.float32)
+        if rank == 1:
+            time.sleep(0.05)
+        try:
+            if collective == "all_reduce":
+                group.all_reduce(x, op=ReduceOp.MAX if rank == 1 else ReduceOp.SUM)
+            elif collective == "broadcast":
+                group.broadcast(x, 1 if rank == 1 else 0)
+            else:
+                group.all_gather(np.zeros(world_size * (9 if rank == 1 else 8), np.float32),
+                                 np.ones(9 if rank == 1 else 8, np.float32))
+            mismatch = None
+        except CollectiveMismatchError as e:
+            mismatch = str(e)
+        group.all_reduce(x)
+        return got, one_step, mismatch, x.tolist()
+    finally:
+        group.close()
+
+
+def _expected(collective, world_size, i):
+    count = (2, 3333)[i % 2]
+    if collective == "all_reduce":
+        return sum(_values(count, r, i) for r in range(world_size)).tolist()
+    if collective == "broadcast":
+        return _values(count, i % world_size, i).tolist()
+    return np.concatenate([_values(count, r, i, np.int16) for r in range(world_size)]).tolist()
+
+
+MISMATCH_WORDS = {"all_reduce": ("op=SUM", "op=MAX"), "broadcast": ("root=0", "root=1"),
+                  "all_gather": ("count=8", "count=9")}
+
+
+@pytest.mark.parametrize("collective", ["all_reduce", "broadcast", "all_gather"])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_one_step_path_matches_the_general_path(kind, world_size, collective):
+    """Guards: results are exact whether a rank takes the one-step path or the general one
+    at the same seq (without the same slot, step and fingerprint the mixed calls deadlock,
+    mismatch or read the wrong slot), when a peer is late (the kernel's slow-path hand-off;
+    without the consume after it the late calls are wrong), and after a mismatch, which
+    names both sides on every rank and leaves the group usable."""
+    results = harness.run_ranks(_job, world_size, kind, timeout_s=JOB_TIMEOUT_S,
+                                args=(collective,))
+    for rank, (got, one_step, mismatch, after) in enumerate(results):
+        for i, values in enumerate(got):
+            assert values == _expected(collective, world_size, i), (rank, i)
+        want = [collective == "all_gather" or (rank + i) % 2 == 0 for i in range(ROUNDS)]
+        assert one_step == want, (rank, one_step)
+        a, b = MISMATCH_WORDS[collective]
+        assert mismatch is not None and a in mismatch and b in mismatch, (rank, mismatch)
+        assert after == [float(world_size)] * 8, (rank, after)
