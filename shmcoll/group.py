@@ -204,7 +204,8 @@ class Group:
 
     def _select(self, name, nbytes):
         return algorithms.select(name, nbytes, self.world_size, self._direct_max,
-                                 self._single_copy, self._single_copy_always)
+                                 self._single_copy, self._single_copy_always,
+                                 self._arena is not None and self._arena.threads)
 
     # -- collectives ---------------------------------------------------------------------
 

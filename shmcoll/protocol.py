@@ -329,6 +329,7 @@ class Arena:
         # Ranks that are threads of one process: (address of their "Python turn" word, my
         # id in it); see _gil_leave. (0, 0): no turn-taking (ranks that are processes).
         self._gil_addr, self._gil_me = gil_turn if gil_turn is not None else (0, 0)
+        self.threads = gil_turn is not None  # ranks are threads of this process
         # The constants of the one-step kernel (_one_step_kernel), one array so that
         # the compiled call takes few arguments (each costs ~50 ns of dispatch): my words'
         # addresses, wait tiers, GIL turn, rule-4 switch; and one row per kind of peer word.

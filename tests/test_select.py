@@ -80,3 +80,19 @@ def test_pure_function(monkeypatch):
     assert [select(*args) for args in grid] == before
     assert [select(*args) for args in reversed(grid)] == before[::-1]
     assert ONE_SHOT_MAX_NBYTES == table  # not mutated by the calls
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, 8])
+def test_rank_threads_keep_one_shot_longer(world_size):
+    """Rank threads pay a GIL hand-over per wait, so their one-shot limit is at least the
+    processes' one at every world size, and 64 KiB from 4 ranks on (threaded_bench)."""
+    limit = algorithms.ONE_SHOT_MAX_NBYTES_THREADS.get(
+        world_size, algorithms.ONE_SHOT_MAX_NBYTES_THREADS_DEFAULT)
+    assert limit >= _limit(world_size)
+    if world_size >= 4:
+        assert limit == 64 << 10
+    assert select("all_reduce", limit, world_size, threads=True) is all_reduce_one_shot
+    if limit < (1 << 62):
+        assert select("all_reduce", limit + 1, world_size, threads=True) is all_reduce_two_shot
+    if world_size >= 4:  # and processes still cut over where they did
+        assert select("all_reduce", limit, world_size) is all_reduce_two_shot

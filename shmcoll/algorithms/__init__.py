@@ -28,6 +28,14 @@ __all__ = ["select", "one_step_mode", "ONE_SHOT_MAX_NBYTES", "SINGLE_COPY_MIN"]
 # 64K 238/185; 8 ranks 4K 149/166, 8K 144/161, 16K 239/189, 64K 312/174, 1M 2610/1242.
 ONE_SHOT_MAX_NBYTES = {2: 1 << 62, 3: 256 << 10, 4: 16 << 10}
 ONE_SHOT_MAX_NBYTES_DEFAULT = 8 << 10
+# Rank threads of one process (threaded_pg) take turns on the GIL around every wait, and
+# one-shot of one sub-chunk is one compiled call with one wait (Arena.one_step), so it
+# wins further up. Measured through dist.* (benchmarks.threaded_bench, two runs, one-shot
+# vs two-shot, us): 4 ranks 8K 100/113 vs 161/199, 32K 111/110 vs 175/206, 64K 147/122
+# vs 193/212, 256K 335/273 vs 296/309, 1M 1049/1013 vs 861/816; 8 ranks 8K 334/257 vs
+# 556/234, 32K 329/244 vs 562/314, 64K 401/268 vs 629/282, 256K 943/967 vs 858/730.
+ONE_SHOT_MAX_NBYTES_THREADS = {2: 1 << 62, 3: 256 << 10}
+ONE_SHOT_MAX_NBYTES_THREADS_DEFAULT = 64 << 10
 
 # Single-copy paths (peers' buffers read where they lie, see single_copy.py), by transport:
 # (min bytes per rank -- all_reduce: the buffer; reduce_scatter: the whole input --, min
@@ -63,8 +71,9 @@ _FIXED = {
 
 
 def select(collective, nbytes, world_size, direct_max_nbytes=-1, single_copy=NONE,
-           single_copy_always=False):
-    """The algorithm function for `collective` moving `nbytes` per rank among `world_size`.
+           single_copy_always=False, threads=False):
+    """The algorithm function for `collective` moving `nbytes` per rank among `world_size`
+    (rank threads of one process when `threads`, else processes).
 
     `direct_max_nbytes` >= 0 overrides the all_reduce one-shot threshold (SHMCOLL_DIRECT_MAX_BYTES).
     `single_copy`: the group's single_copy transport (the same on every rank: agreed at init);
@@ -80,7 +89,9 @@ def select(collective, nbytes, world_size, direct_max_nbytes=-1, single_copy=NON
     if collective == "all_reduce":
         limit = direct_max_nbytes
         if limit < 0:
-            limit = ONE_SHOT_MAX_NBYTES.get(world_size, ONE_SHOT_MAX_NBYTES_DEFAULT)
+            limit = ONE_SHOT_MAX_NBYTES_THREADS.get(
+                world_size, ONE_SHOT_MAX_NBYTES_THREADS_DEFAULT) if threads else \
+                ONE_SHOT_MAX_NBYTES.get(world_size, ONE_SHOT_MAX_NBYTES_DEFAULT)
         return all_reduce_one_shot if nbytes <= limit else all_reduce_two_shot
     try:
         return _FIXED[collective]
