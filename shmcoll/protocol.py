@@ -489,6 +489,7 @@ class Arena:
         self._op_name = op_name
         self._timeout_s = timeout_s
         self._deadline = time.monotonic() + timeout_s
+        self._fp_pending = False  # the kernel checks this collective's fingerprints itself
         i = self._next_slot
         publishes = root < 0 or root == self.rank  # broadcast: only the root fills a slot
         if publishes and self._known_min < self._free_at[i]:  # rare: a peer may still read it

@@ -123,3 +123,29 @@ def test_one_step_path_matches_the_general_path(kind, world_size, collective):
         a, b = MISMATCH_WORDS[collective]
         assert mismatch is not None and a in mismatch and b in mismatch, (rank, mismatch)
         assert after == [float(world_size)] * 8, (rank, after)
+
+
+def test_one_step_waits_for_its_slot_before_writing_it():
+    """Guards rule 6 on the one-step path: a slot a peer may still read (free_at ahead of
+    what every peer is known to have posted) is claimed -- waited for -- before the kernel
+    copies into it or posts. Without the claim, rank 0 would overwrite the slot under a
+    reading peer; here the peer never posts, so the claim times out with nothing posted."""
+    from shmcoll import CollectiveTimeoutError
+    from shmcoll import protocol
+    from shmcoll.group import Group
+
+    layout = protocol.RegionLayout(4096, 2)
+    regions = [np.zeros(layout.nbytes, np.uint8) for _ in range(2)]
+    arenas = [protocol.Arena(regions, r, layout, lambda p: True) for r in range(2)]
+    g = Group(arenas[0], 0, 2, timeout_s=0.2)
+    a0 = arenas[0]
+    a0._free_at[a0._next_slot] = a0._known_min + 1  # as if rank 1 still read the slot
+    slot_before = regions[0][layout.data_offset:layout.data_offset + 64].copy()
+    x = np.full(4, 7.0, np.float32)
+    with pytest.raises(CollectiveTimeoutError, match=r"all_reduce \(seq 1\)"):
+        g.all_reduce(x)
+    assert a0.step == 0, "posted before its slot was free"
+    assert np.array_equal(regions[0][layout.data_offset:layout.data_offset + 64],
+                          slot_before), "wrote the slot before it was free"
+    assert g._plans and all(p.mode is not None for p in g._plans.values())
+    g.close()
