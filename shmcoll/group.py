@@ -259,6 +259,17 @@ class Group:
                           algo, array.nbytes, dt.storage, spec,
                           None if array.dtype == dt.storage else dt.storage)
 
+    def _plan_reduce_scatter(self, key, out, ins):
+        """_plan_all_reduce for reduce_scatter of one contiguous input of equal blocks."""
+        _, _, _, _, op, dtype, premul = key
+        dt = dtype_of(out, dtype)
+        spec = reduce_spec(op, dt, self.world_size, "reduce_scatter", premul)
+        sizes = (out.size,) * self.world_size
+        return self._plan(key, "reduce_scatter", (dt.code, sum(sizes), 0, int(op),
+                                                  _shape(None, sizes)),
+                          self._select("reduce_scatter", ins.nbytes), ins.nbytes, dt.storage,
+                          spec, None if ins.dtype == dt.storage else dt.storage)
+
     def _plan(self, key, name, fp, algo, nbytes, storage, spec=None, view=None):
         """Cache a _Plan under `key` (bounded: shapes that never repeat do not grow it)."""
         plan = _Plan()
@@ -362,6 +373,19 @@ class Group:
         arrays (sizes may differ per destination) or one array of world_size * out.size."""
         if self._poison is not None or self._closed:
             self._usable("reduce_scatter")
+        if type(ins) is np.ndarray and type(out) is np.ndarray and self._arena is not None \
+                and ins.dtype == out.dtype and ins.size == self.world_size * out.size \
+                and ins.flags.c_contiguous and out.flags.c_contiguous and out.flags.writeable:
+            key = ("reduce_scatter", ins.dtype, ins.shape, out.shape, op, dtype, premul)
+            plan = self._plans.get(key)
+            if plan is None:
+                plan = self._plan_reduce_scatter(key, out, ins)
+            if plan.mode is not None:
+                src = ins if ins.ndim == 1 else ins.reshape(-1)
+                if plan.storage is not None:
+                    src = src.view(plan.storage)
+                self._run_one_step("reduce_scatter", plan, src, _bytes(out), -1, timeout_s)
+                return out
         _check_arrays("reduce_scatter", [out])
         dt = dtype_of(out, dtype)
         spec = reduce_spec(op, dt, self.world_size, "reduce_scatter", premul)

@@ -27,7 +27,7 @@ from numba import types
 from numba.extending import intrinsic, overload
 
 __all__ = [
-    "reduce_unchecked", "reduce_any",
+    "reduce_unchecked", "reduce_any", "view_like",
     "OP_SUM", "OP_PRODUCT", "OP_MIN", "OP_MAX", "OP_BAND", "OP_BOR", "OP_BXOR",
     "KINDS", "reduce_into", "warm_up",
     "f16_to_f32", "f32_to_f16", "bf16_to_f32", "f32_to_bf16",
@@ -101,6 +101,9 @@ def _f32(typingctx, u):
 def _view(addr, start, m, like):
     """Elements [start, start+m) of the buffer at addr, typed like `like`."""
     return numba.carray(_ptr_like(addr + start * like.itemsize, like), (m,))
+
+
+view_like = _view  # compiled callers elsewhere (protocol.py) view raw bytes with it
 
 
 # ------------------------------------------------------ 16-bit <-> float32 (scalar, bits)

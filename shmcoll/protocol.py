@@ -92,7 +92,7 @@ import numpy as np
 
 from .atomics import cas_acq_rel, copy_bytes, cpu_pause, load_acquire, monotonic_ns, \
     read_acquire, sched_yield, store_release, wait_all_ge, write_release
-from .kernels import reduce_any
+from .kernels import reduce_any, view_like
 from .single_copy import CMA, NONE, PIECE_NBYTES, errno_text, gather_from_peers, \
     reduce_from_peers
 from .errors import (
@@ -117,6 +117,7 @@ __all__ = [
     "ONE_STEP_REDUCE",
     "ONE_STEP_BROADCAST",
     "ONE_STEP_GATHER",
+    "ONE_STEP_REDUCE_SCATTER",
 ]
 
 MAGIC = int.from_bytes(b"SHMCOLL\x01", "little")
@@ -164,7 +165,7 @@ GIL_LEAVE_NS = 200_000
 # that needs no waits beyond the per-sub-chunk one (rule 6).
 STREAM_RING = 2
 STREAM_REDUCE, STREAM_GATHER = 0, 1  # what Arena._stream does with each sub-chunk
-ONE_STEP_REDUCE, ONE_STEP_BROADCAST, ONE_STEP_GATHER = 0, 1, 2  # Arena.one_step's modes
+ONE_STEP_REDUCE, ONE_STEP_BROADCAST, ONE_STEP_GATHER, ONE_STEP_REDUCE_SCATTER = range(4)  # one_step
 SLEEP_MIN_S = 20e-6
 SLEEP_MAX_S = 1e-3
 # Words of Arena._cfg (the fused kernel's constants) and rows of Arena._peer_tab.
@@ -479,6 +480,9 @@ class Arena:
             `src` in, every other rank copies the root's slot out into its `src`.
         ONE_STEP_GATHER: all_gather_direct into one array, of one sub-chunk; rank j's `src`
             lands at out[j * src.nbytes:] (uint8 arrays).
+        ONE_STEP_REDUCE_SCATTER: reduce_scatter_direct of one input array (world_size equal
+            blocks) that fits a slot; `out` (the bytes of my output, one block) becomes the
+            reduction in rank order of block[rank] of every rank's `src`.
 
         `plan`: int64 [collective code, dtype code, count, root, op, shape word, kernel op,
         bf16] (fingerprint words 2-7, then the reduction); pre/post as in ops.ReduceSpec.
@@ -881,7 +885,8 @@ def warm_up(storage=_STORAGE):
                          w + 16, True, srcs, 0, 0, 1.0, 1.0, False, 0, 0)
         _two_shot_consume(0, a[:0], 64, srcs, 0, 0, 1.0, 1.0, False)
         _reduce_chunk(a, 0, 0, srcs, 0, 0, 1.0, 1.0, False)
-        for mode in (ONE_STEP_REDUCE, ONE_STEP_BROADCAST, ONE_STEP_GATHER):
+        for mode in (ONE_STEP_REDUCE, ONE_STEP_BROADCAST, ONE_STEP_GATHER,
+                     ONE_STEP_REDUCE_SCATTER):
             _one_step_kernel(mode, a[:0], _NO_BYTES, cfg, tab, srcs, plan, 1.0, 1.0, 0, 0,
                              -1)
         reduce_from_peers(CMA, none, srcs, 0, a[:0], 0, a, 1, 0, 1.0, 1.0, False)
@@ -938,6 +943,9 @@ def _one_step_consume(mode, src, out, srcs, rank, root, op, pre, post, bf16):
     elif mode == ONE_STEP_GATHER:
         _consume(STREAM_GATHER, src, 0, src.nbytes, srcs, rank, op, pre, post, bf16, out, 0,
                  src.nbytes)
+    elif mode == ONE_STEP_REDUCE_SCATTER:  # block `rank` of every rank's slot, typed like src
+        reduce_any(view_like(out.ctypes.data, 0, out.nbytes // src.itemsize, src),
+                   srcs + rank * out.nbytes, op, pre, post, bf16)
     elif rank != root:
         copy_bytes(src.ctypes.data, srcs[root], src.nbytes)
 

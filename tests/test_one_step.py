@@ -1,5 +1,5 @@
-"""The one-step latency path (Arena.one_step): small all_reduce, broadcast and all_gather
-(into one array) run as one compiled call, framing included. It must be interchangeable
+"""The one-step latency path (Arena.one_step): small all_reduce, broadcast, all_gather (into
+one array) and reduce_scatter (of one array) run as one compiled call, framing included. It must be interchangeable
 with the general path of the same collective -- same slot, step and fingerprint -- because
 whether a rank takes it depends on that rank's own array (a strided one takes the general
 path); and it must hand late peers, mismatches and aborts to the same Python."""
@@ -62,12 +62,19 @@ def _job(rank, world_size, store, collective):
                 group.broadcast(array, root)
                 key = ("broadcast", array.dtype, array.shape, root)
                 got.append(array.tolist())
-            else:
+            elif collective == "all_gather":
                 array = _array(_values(count, rank, i, np.int16), strided)
                 out = np.full(world_size * count, -1, np.int16)
                 group.all_gather(out, array)
                 key = ("all_gather", array.dtype, array.shape)
                 got.append(out.tolist())
+            else:  # reduce_scatter: a strided output takes the general path
+                ins = _values(world_size * count, rank, i)
+                array = _array(np.full(count, -1, np.float32), strided)
+                group.reduce_scatter(array, ins)
+                key = ("reduce_scatter", ins.dtype, ins.shape, array.shape, ReduceOp.SUM,
+                       None, 1.0)
+                got.append(array.tolist())
             # all_gather copies a strided input contiguous first: it takes the path anyway
             one_step.append(_took_one_step(group, key, collective == "all_gather"
                                            or array.flags.c_contiguous))
@@ -80,6 +87,10 @@ def _job(rank, world_size, store, collective):
                 group.all_reduce(x, op=ReduceOp.MAX if rank == 1 else ReduceOp.SUM)
             elif collective == "broadcast":
                 group.broadcast(x, 1 if rank == 1 else 0)
+            elif collective == "reduce_scatter":
+                group.reduce_scatter(np.zeros(4, np.float32), np.ones(4 * world_size,
+                                                                      np.float32),
+                                     op=ReduceOp.MAX if rank == 1 else ReduceOp.SUM)
             else:
                 group.all_gather(np.zeros(world_size * (9 if rank == 1 else 8), np.float32),
                                  np.ones(9 if rank == 1 else 8, np.float32))
@@ -92,20 +103,25 @@ def _job(rank, world_size, store, collective):
         group.close()
 
 
-def _expected(collective, world_size, i):
+def _expected(collective, world_size, i, rank):
     count = (2, 3333)[i % 2]
     if collective == "all_reduce":
         return sum(_values(count, r, i) for r in range(world_size)).tolist()
     if collective == "broadcast":
         return _values(count, i % world_size, i).tolist()
+    if collective == "reduce_scatter":
+        return sum(_values(world_size * count, r, i) for r in range(world_size))[
+            rank * count:(rank + 1) * count].tolist()
     return np.concatenate([_values(count, r, i, np.int16) for r in range(world_size)]).tolist()
 
 
 MISMATCH_WORDS = {"all_reduce": ("op=SUM", "op=MAX"), "broadcast": ("root=0", "root=1"),
-                  "all_gather": ("count=8", "count=9")}
+                  "all_gather": ("count=8", "count=9"),
+                  "reduce_scatter": ("op=SUM", "op=MAX")}
 
 
-@pytest.mark.parametrize("collective", ["all_reduce", "broadcast", "all_gather"])
+@pytest.mark.parametrize("collective", ["all_reduce", "broadcast", "all_gather",
+                                        "reduce_scatter"])
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_one_step_path_matches_the_general_path(kind, world_size, collective):
     """Guards: results are exact whether a rank takes the one-step path or the general one
@@ -117,7 +133,7 @@ def test_one_step_path_matches_the_general_path(kind, world_size, collective):
                                 args=(collective,))
     for rank, (got, one_step, mismatch, after) in enumerate(results):
         for i, values in enumerate(got):
-            assert values == _expected(collective, world_size, i), (rank, i)
+            assert values == _expected(collective, world_size, i, rank), (rank, i)
         want = [collective == "all_gather" or (rank + i) % 2 == 0 for i in range(ROUNDS)]
         assert one_step == want, (rank, one_step)
         a, b = MISMATCH_WORDS[collective]

@@ -4,7 +4,8 @@ Each algorithm lives in the module named after its collective and talks only to 
 seam (protocol.Arena), so the process engine and the threaded engine run the same code.
 """
 
-from ..protocol import ONE_STEP_BROADCAST, ONE_STEP_GATHER, ONE_STEP_REDUCE
+from ..protocol import ONE_STEP_BROADCAST, ONE_STEP_GATHER, ONE_STEP_REDUCE, \
+    ONE_STEP_REDUCE_SCATTER
 from ..single_copy import CMA, IN_PROCESS, NONE
 from .all_gather import all_gather_direct, all_gather_is_one_call, all_gather_single_copy
 from .all_reduce import all_reduce_one_shot, all_reduce_single_copy, all_reduce_two_shot, \
@@ -109,4 +110,6 @@ def one_step_mode(algo, arena, nbytes, itemsize):
         return ONE_STEP_BROADCAST if 0 < nbytes <= arena.slot_nbytes else None
     if algo is all_gather_direct:  # the one-output-array form only (Group's call)
         return ONE_STEP_GATHER if all_gather_is_one_call(arena, nbytes) else None
+    if algo is reduce_scatter_direct:  # the one-input-array form only; nbytes: the input
+        return ONE_STEP_REDUCE_SCATTER if 0 < nbytes <= arena.slot_nbytes else None
     return None
