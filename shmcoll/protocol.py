@@ -46,8 +46,9 @@ Rules (each rank, for every collective, in the same order on every rank):
    exchange() is copy-in + rules 1-4 in one compiled call (the small-message path): the
    same stores, loads and order, without a Python round trip between them. one_step()
    goes further for collectives that are a single step through one slot (small
-   all_reduce, broadcast, all_gather): begin, claim (rule 6), copy-in, rules 1-4 and the
-   consume are one compiled call, and Python only runs when a wait is not met at once.
+   all_reduce, broadcast, all_gather, reduce_scatter): begin, claim (rule 6), copy-in,
+   rules 1-4 and the consume are one compiled call, and Python only runs when a wait is
+   not met at once.
 3. wait_all(t): load_acquire every peer's POSTED until >= t. Counters only grow, so the
    predicate is `>=`, never `==`: a fast peer that already moved on cannot be missed (the
    DeepSpeed #4048 bug class), and no word is ever reset.
@@ -165,10 +166,11 @@ GIL_LEAVE_NS = 200_000
 # that needs no waits beyond the per-sub-chunk one (rule 6).
 STREAM_RING = 2
 STREAM_REDUCE, STREAM_GATHER = 0, 1  # what Arena._stream does with each sub-chunk
-ONE_STEP_REDUCE, ONE_STEP_BROADCAST, ONE_STEP_GATHER, ONE_STEP_REDUCE_SCATTER = range(4)  # one_step
+# what Arena.one_step does after its wait (algorithms.one_step_mode picks one)
+ONE_STEP_REDUCE, ONE_STEP_BROADCAST, ONE_STEP_GATHER, ONE_STEP_REDUCE_SCATTER = range(4)
 SLEEP_MIN_S = 20e-6
 SLEEP_MAX_S = 1e-3
-# Words of Arena._cfg (the fused kernel's constants) and rows of Arena._peer_tab.
+# Words of Arena._cfg (the one-step kernel's constants) and rows of Arena._peer_tab.
 (_CFG_RANK, _CFG_SPINS, _CFG_YIELD_NS, _CFG_POSTED, _CFG_STATE, _CFG_SEQ, _CFG_GIL,
  _CFG_GIL_ME, _CFG_VERIFY, _CFG_FP0) = range(10)
 _PEER_POSTED, _PEER_STATE, _PEER_FP0 = 0, 1, 2
