@@ -227,8 +227,8 @@ class Group:
             if plan is None:
                 plan = self._plan_all_reduce(key, array)
             flat = array if array.ndim == 1 else array.reshape(-1)
-            if plan.storage is not None:
-                flat = flat.view(plan.storage)
+            if plan.view is not None:
+                flat = flat.view(plan.view)
             if plan.mode is not None:
                 self._run_one_step("all_reduce", plan, flat, _NO_BYTES, -1, timeout_s)
             else:
@@ -271,9 +271,11 @@ class Group:
                           spec, None if ins.dtype == dt.storage else dt.storage)
 
     def _plan(self, key, name, fp, algo, nbytes, storage, spec=None, view=None):
-        """Cache a _Plan under `key` (bounded: shapes that never repeat do not grow it)."""
+        """Build and cache a _Plan under `key` (bounded: shapes that never repeat do not
+        grow it). `storage`: the element dtype the engine moves (its itemsize sizes the
+        sub-chunks); `view`: the dtype each call views the array as, or None."""
         plan = _Plan()
-        plan.fp, plan.algo, plan.nbytes, plan.spec, plan.storage = fp, algo, nbytes, spec, view
+        plan.fp, plan.algo, plan.nbytes, plan.spec, plan.view = fp, algo, nbytes, spec, view
         plan.pre, plan.post = (spec.pre, spec.post) if spec is not None else (1.0, 1.0)
         plan.mode = None if self._arena is None else \
             algorithms.one_step_mode(algo, self._arena, nbytes, storage.itemsize)
@@ -382,8 +384,8 @@ class Group:
                 plan = self._plan_reduce_scatter(key, out, ins)
             if plan.mode is not None:
                 src = ins if ins.ndim == 1 else ins.reshape(-1)
-                if plan.storage is not None:
-                    src = src.view(plan.storage)
+                if plan.view is not None:
+                    src = src.view(plan.view)
                 self._run_one_step("reduce_scatter", plan, src, _bytes(out), -1, timeout_s)
                 return out
         _check_arrays("reduce_scatter", [out])
@@ -597,10 +599,10 @@ class Group:
 class _Plan:
     """What a collective derives from its arguments' dtype, shape, op and root (Group._plan):
     fp (fingerprint words after the collective code), algo, nbytes, spec (ops.ReduceSpec or
-    None) with its pre/post, storage (dtype to view the array as, or None), mode (the
+    None) with its pre/post, view (dtype to view the array as, or None), mode (the
     Arena.one_step mode, or None: the general path) and words (that call's int64 plan)."""
 
-    __slots__ = ("fp", "algo", "nbytes", "spec", "pre", "post", "storage", "mode", "words")
+    __slots__ = ("fp", "algo", "nbytes", "spec", "pre", "post", "view", "mode", "words")
 
 
 _NO_BYTES = np.zeros(0, np.uint8)
