@@ -634,6 +634,27 @@ def test_engine_store_and_run_threads_failure():
         threaded_pg.run_threads(failing, 3)
 
 
+def test_the_failing_rank_is_reported_not_the_peers_it_knocked_over():
+    """Guards: a rank that closes its group on the way out of an error makes its waiting
+    peers raise PeerLostError, and those can be recorded before its own exception reaches
+    the runner (the order CI once hit with the test above). The caller must still get the
+    original error first. Forced here: rank 1 closes, then raises 0.3 s later."""
+    def failing(rank, ws, store):
+        group = threaded_pg.new_threaded_group(store, rank, ws)
+        try:
+            if rank == 1:
+                group.close()
+                time.sleep(0.3)  # the peers' PeerLostError is recorded meanwhile
+                raise ArithmeticError("bad")
+            group.barrier()
+        finally:
+            group.close()
+
+    with pytest.raises(ArithmeticError, match="rank 1: Traceback") as info:
+        threaded_pg.run_threads(failing, 3)
+    assert "PeerLostError" in str(info.value)  # the peers' errors follow, as "other ranks"
+
+
 def test_aborted_group_error_class():
     """Guards: ranks woken by an abort raise GroupAbortedError (a ShmcollError), listed."""
     def body(rank, ws):

@@ -25,7 +25,7 @@ import threading
 import time
 import traceback
 
-from shmcoll.errors import CollectiveTimeoutError
+from shmcoll.errors import CollectiveTimeoutError, GroupAbortedError, PeerLostError
 
 from .group import Rendezvous, bind_rank
 
@@ -66,6 +66,11 @@ class SpawnTimeoutError(TimeoutError):
 class _Interrupted(BaseException):
     """Raised asynchronously in a rank that ignored an abort (a BaseException, so that
     `except Exception` in user code does not swallow it)."""
+
+
+# Errors a rank raises because another rank failed first (its group closed under a waiting
+# peer, the spawn's abort, the interrupt of a straggler).
+_KNOCK_ON = (PeerLostError, GroupAbortedError, _Interrupted)
 
 
 _MIXED = {}  # original exception class -> RankFailedError subclass mixing it in
@@ -221,9 +226,13 @@ class _Run:
         return [rank for rank, t in enumerate(self.threads) if t.is_alive()]
 
     def _failure_error(self, left):
-        first = self.failures[0]
+        # The cause first: a rank's own error ranks before what it set off in the others (a
+        # peer closed or the spawn aborted), which can be recorded earlier -- a failing rank
+        # closes its groups on the way out, before its exception reaches _rank_main.
+        failures = sorted(self.failures, key=lambda f: isinstance(f.exception, _KNOCK_ON))
+        first = failures[0]
         message = f"rank {first.rank}: {first.text}"
-        others = [f.summary() for f in self.failures[1:]]
+        others = [f.summary() for f in failures[1:]]
         if others:
             message += "\nother ranks:\n  " + "\n  ".join(others)
         if self.report:
