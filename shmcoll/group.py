@@ -102,7 +102,7 @@ class Group:
         self._poison = None
         self._closed = False
         self.flight_record = collections.deque(maxlen=FLIGHT_RECORD_LEN)
-        self._plans = {}  # all_reduce of contiguous arrays: see _plan_all_reduce
+        self._plans = {}  # per call shape of the common forms: see _plan
 
     # -- state -----------------------------------------------------------------------
 
@@ -155,7 +155,8 @@ class Group:
 
     def _run_one_step(self, name, plan, src, out, root, timeout_s):
         """_run for a collective the Arena runs as one compiled call, framing included
-        (plan.mode is not None: Arena.one_step); `root` -1 unless a broadcast."""
+        (plan.mode is not None: Arena.one_step); `out` None and `root` -1 unless the
+        collective has them."""
         self._seq += 1
         seq = self._seq
         entry = {"seq": seq, "op": name, "nbytes": plan.nbytes, "state": "started",
@@ -230,7 +231,7 @@ class Group:
             if plan.view is not None:
                 flat = flat.view(plan.view)
             if plan.mode is not None:
-                self._run_one_step("all_reduce", plan, flat, _NO_BYTES, -1, timeout_s)
+                self._run_one_step("all_reduce", plan, flat, None, -1, timeout_s)
             else:
                 self._run("all_reduce", plan.fp, plan.algo, flat, plan.spec,
                           timeout_s=timeout_s, nbytes=plan.nbytes)
@@ -301,7 +302,7 @@ class Group:
                                   self._select("broadcast", array.nbytes), array.nbytes,
                                   np.dtype(np.uint8))
             if plan.mode is not None:
-                self._run_one_step("broadcast", plan, _bytes(array), _NO_BYTES, root,
+                self._run_one_step("broadcast", plan, _bytes(array), None, root,
                                    timeout_s)
                 return array
         self._root("broadcast", root)
@@ -605,7 +606,6 @@ class _Plan:
     __slots__ = ("fp", "algo", "nbytes", "spec", "pre", "post", "view", "mode", "words")
 
 
-_NO_BYTES = np.zeros(0, np.uint8)
 _MAX_PLANS = 256
 
 

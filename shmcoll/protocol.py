@@ -491,6 +491,8 @@ class Arena:
         Anything but a clean pass (a late peer, a mismatch, an abort) is finished by the same
         Python as the general path (_finish_wait), which owns the slow tiers and errors.
         """
+        if out is None:  # all_reduce, broadcast: typed like the gathers' for one compilation
+            out = _NO_BYTES
         self._seq = seq
         self._op_name = op_name
         self._timeout_s = timeout_s

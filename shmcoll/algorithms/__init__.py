@@ -7,9 +7,9 @@ seam (protocol.Arena), so the process engine and the threaded engine run the sam
 from ..protocol import ONE_STEP_BROADCAST, ONE_STEP_GATHER, ONE_STEP_REDUCE, \
     ONE_STEP_REDUCE_SCATTER
 from ..single_copy import CMA, IN_PROCESS, NONE
-from .all_gather import all_gather_direct, all_gather_is_one_call, all_gather_single_copy
-from .all_reduce import all_reduce_one_shot, all_reduce_single_copy, all_reduce_two_shot, \
-    one_shot_is_one_call
+from .all_gather import all_gather_direct, all_gather_single_copy
+from .all_reduce import STREAM_NBYTES, all_reduce_one_shot, all_reduce_single_copy, \
+    all_reduce_two_shot
 from .all_to_all import all_to_all_direct
 from .barrier import barrier_flags
 from .broadcast import broadcast_direct, broadcast_single_copy
@@ -103,13 +103,16 @@ def select(collective, nbytes, world_size, direct_max_nbytes=-1, single_copy=NON
 def one_step_mode(algo, arena, nbytes, itemsize):
     """The Arena.one_step mode that runs `algo` (as `select` chose it for `nbytes` per rank
     in elements of `itemsize` bytes) as one compiled call with its framing -- it is then a
-    single step through one slot --, else None (the general path runs it)."""
+    single step through one slot --, else None (the general path runs it). The streamed
+    algorithms (one-shot all_reduce, all_gather into one array) are one step when the
+    message is one sub-chunk; the chunked ones when it fits a slot."""
+    one_sub_chunk = nbytes <= arena.sub_nbytes(itemsize, STREAM_NBYTES)
     if algo is all_reduce_one_shot:
-        return ONE_STEP_REDUCE if one_shot_is_one_call(arena, nbytes, itemsize) else None
+        return ONE_STEP_REDUCE if one_sub_chunk else None
     if algo is broadcast_direct:  # count 0 takes no slot there (no chunk): general path
         return ONE_STEP_BROADCAST if 0 < nbytes <= arena.slot_nbytes else None
     if algo is all_gather_direct:  # the one-output-array form only (Group's call)
-        return ONE_STEP_GATHER if all_gather_is_one_call(arena, nbytes) else None
+        return ONE_STEP_GATHER if one_sub_chunk else None
     if algo is reduce_scatter_direct:  # the one-input-array form only; nbytes: the input
         return ONE_STEP_REDUCE_SCATTER if 0 < nbytes <= arena.slot_nbytes else None
     return None

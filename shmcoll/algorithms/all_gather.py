@@ -4,7 +4,7 @@ import numpy as np
 
 from .all_reduce import STREAM_NBYTES
 
-__all__ = ["all_gather_direct", "all_gather_single_copy", "all_gather_is_one_call"]
+__all__ = ["all_gather_direct", "all_gather_single_copy"]
 
 
 def all_gather_direct(arena, inp, outs):
@@ -33,12 +33,6 @@ def all_gather_direct(arena, inp, outs):
         arena.exchange(i, inp, start, n)
         for j, out in enumerate(outs):
             out[start:start + n] = arena.slot(i, j)[:n]
-
-
-def all_gather_is_one_call(arena, nbytes):
-    """True when all_gather_direct of `nbytes` into one output array is a single sub-chunk:
-    the caller may then run it, begin() included, as one compiled call (Arena.one_step)."""
-    return nbytes <= arena.sub_nbytes(1, STREAM_NBYTES)
 
 
 def all_gather_single_copy(arena, inp, outs):

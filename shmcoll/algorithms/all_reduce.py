@@ -7,7 +7,7 @@ accumulate in fp32 and round once), so every rank ends with bitwise-identical by
 import numpy as np
 
 __all__ = ["all_reduce_one_shot", "all_reduce_two_shot", "all_reduce_single_copy",
-           "one_shot_is_one_call", "STREAM_NBYTES"]
+           "STREAM_NBYTES"]
 
 # One-shot chunks stream through the slot in sub-chunks of this size (one step each; see
 # Arena.exchange_reduce). Measured at world size 2, interleaved A/B in one run (busbw GB/s,
@@ -28,13 +28,6 @@ def all_reduce_one_shot(arena, buf, spec):
     i = arena.next_slot()
     arena.claim(i)
     arena.exchange_reduce(i, buf, 0, buf.size, spec, STREAM_NBYTES)
-
-
-def one_shot_is_one_call(arena, nbytes, itemsize):
-    """True when all_reduce_one_shot of `nbytes` is a single sub-chunk: then the caller may
-    run it, begin() included, as one compiled call (Arena.one_step, the latency path: ~2 us
-    instead of ~9 us of engine time per call), same slot, steps and fingerprint."""
-    return nbytes <= arena.sub_nbytes(itemsize, STREAM_NBYTES)
 
 
 def all_reduce_two_shot(arena, buf, spec):
