@@ -43,12 +43,15 @@ def _values(count, rank, i, dtype=np.float32):
     return (np.arange(count) + rank * 1000 + i).astype(dtype)
 
 
-def _job(rank, world_size, store, collective):
+COUNTS = (2, 3333)
+
+
+def _job(rank, world_size, store, collective, counts=COUNTS):
     group = harness.new_group(store, rank, world_size)
     try:
         got, one_step = [], []
         for i in range(ROUNDS):
-            count = (2, 3333)[i % 2]
+            count = counts[i % len(counts)]
             strided = (rank + i) % 2 == 1
             _late(rank, world_size, i)
             if collective == "all_reduce":
@@ -103,8 +106,8 @@ def _job(rank, world_size, store, collective):
         group.close()
 
 
-def _expected(collective, world_size, i, rank):
-    count = (2, 3333)[i % 2]
+def _expected(collective, world_size, i, rank, counts=COUNTS):
+    count = counts[i % len(counts)]
     if collective == "all_reduce":
         return sum(_values(count, r, i) for r in range(world_size)).tolist()
     if collective == "broadcast":
@@ -139,6 +142,25 @@ def test_one_step_path_matches_the_general_path(kind, world_size, collective):
         a, b = MISMATCH_WORDS[collective]
         assert mismatch is not None and a in mismatch and b in mismatch, (rank, mismatch)
         assert after == [float(world_size)] * 8, (rank, after)
+
+
+def test_one_step_all_reduce_up_to_a_mebibyte(kind):
+    """A one-shot all_reduce of more than one streaming sub-chunk (512 KiB) but at most
+    UNSPLIT_MAX_NBYTES goes as one sub-chunk, so it is one step (mixed with ranks on the
+    general path, which must split it the same way: different step counts deadlock or read
+    the wrong sub-slot)."""
+    from shmcoll.algorithms.all_reduce import STREAM_NBYTES, UNSPLIT_MAX_NBYTES
+
+    counts = (STREAM_NBYTES // 4 + 1, UNSPLIT_MAX_NBYTES // 4, UNSPLIT_MAX_NBYTES // 4 + 1)
+    results = harness.run_ranks(_job, 2, kind, timeout_s=JOB_TIMEOUT_S,
+                                args=("all_reduce", counts))
+    for rank, (got, one_step, _mismatch, after) in enumerate(results):
+        for i, values in enumerate(got):
+            assert values == _expected("all_reduce", 2, i, rank, counts), (rank, i)
+        # the third size is over UNSPLIT_MAX_NBYTES: streamed, never one step
+        want = [(rank + i) % 2 == 0 and i % 3 != 2 for i in range(ROUNDS)]
+        assert one_step == want, (rank, one_step)
+        assert after == [2.0] * 8, (rank, after)
 
 
 def test_one_step_waits_for_its_slot_before_writing_it():

@@ -9,7 +9,7 @@ from ..protocol import ONE_STEP_BROADCAST, ONE_STEP_GATHER, ONE_STEP_REDUCE, \
 from ..single_copy import CMA, IN_PROCESS, NONE
 from .all_gather import all_gather_direct, all_gather_single_copy
 from .all_reduce import STREAM_NBYTES, all_reduce_one_shot, all_reduce_single_copy, \
-    all_reduce_two_shot
+    all_reduce_two_shot, one_shot_sub_nbytes
 from .all_to_all import all_to_all_direct
 from .barrier import barrier_flags
 from .broadcast import broadcast_direct, broadcast_single_copy
@@ -106,12 +106,13 @@ def one_step_mode(algo, arena, nbytes, itemsize):
     single step through one slot --, else None (the general path runs it). The streamed
     algorithms (one-shot all_reduce, all_gather into one array) are one step when the
     message is one sub-chunk; the chunked ones when it fits a slot."""
-    one_sub_chunk = nbytes <= arena.sub_nbytes(itemsize, STREAM_NBYTES)
     if algo is all_reduce_one_shot:
+        one_sub_chunk = nbytes <= arena.sub_nbytes(itemsize, one_shot_sub_nbytes(nbytes))
         return ONE_STEP_REDUCE if one_sub_chunk else None
     if algo is broadcast_direct:  # count 0 takes no slot there (no chunk): general path
         return ONE_STEP_BROADCAST if 0 < nbytes <= arena.slot_nbytes else None
     if algo is all_gather_direct:  # the one-output-array form only (Group's call)
+        one_sub_chunk = nbytes <= arena.sub_nbytes(itemsize, STREAM_NBYTES)
         return ONE_STEP_GATHER if one_sub_chunk else None
     if algo is reduce_scatter_direct:  # the one-input-array form only; nbytes: the input
         return ONE_STEP_REDUCE_SCATTER if 0 < nbytes <= arena.slot_nbytes else None

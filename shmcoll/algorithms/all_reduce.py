@@ -7,13 +7,25 @@ accumulate in fp32 and round once), so every rank ends with bitwise-identical by
 import numpy as np
 
 __all__ = ["all_reduce_one_shot", "all_reduce_two_shot", "all_reduce_single_copy",
-           "STREAM_NBYTES"]
+           "STREAM_NBYTES", "UNSPLIT_MAX_NBYTES", "one_shot_sub_nbytes"]
 
 # One-shot chunks stream through the slot in sub-chunks of this size (one step each; see
 # Arena.exchange_reduce). Measured at world size 2, interleaved A/B in one run (busbw GB/s,
 # sub-chunk 512K / 4M = no streaming): 16 MiB 6.19 / 6.43, 64 MiB 4.52 / 4.16, 256 MiB
 # 4.39 / 4.13; 32-64K sub-chunks lost 10-15% everywhere (one cross-core handoff each).
 STREAM_NBYTES = 512 << 10
+# ... but a one-shot message up to this size goes as one sub-chunk: both ranks' copies fit
+# in their L2 either way, and splitting it only adds a cross-core hand-over per sub-chunk.
+# Measured at 2 ranks, engine level, interleaved blocks in one run (median us, one sub-chunk
+# vs 512K sub-chunks): 1 MiB 147 vs 166, 162 vs 171; 2 MiB 340 vs 351, 4 MiB 632 vs 625
+# (within noise, so larger messages keep streaming, which wins from 16 MiB).
+UNSPLIT_MAX_NBYTES = 1 << 20
+
+
+def one_shot_sub_nbytes(nbytes):
+    """The sub-chunk size one-shot streams a message of `nbytes` per rank in (a function
+    of nbytes alone, so every rank -- whichever path it takes -- makes the same steps)."""
+    return nbytes if nbytes <= UNSPLIT_MAX_NBYTES else STREAM_NBYTES
 
 
 def all_reduce_one_shot(arena, buf, spec):
@@ -27,7 +39,7 @@ def all_reduce_one_shot(arena, buf, spec):
     """
     i = arena.next_slot()
     arena.claim(i)
-    arena.exchange_reduce(i, buf, 0, buf.size, spec, STREAM_NBYTES)
+    arena.exchange_reduce(i, buf, 0, buf.size, spec, one_shot_sub_nbytes(buf.nbytes))
 
 
 def all_reduce_two_shot(arena, buf, spec):
