@@ -87,7 +87,8 @@ class Group:
     """
 
     def __init__(self, arena, rank, world_size, timeout_s=1800.0, direct_max_nbytes=-1,
-                 closers=(), name="", aborter=None, single_copy_always=False):
+                 closers=(), name="", aborter=None, single_copy_always=False,
+                 small_pages=False):
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = float(timeout_s)
@@ -96,6 +97,7 @@ class Group:
         self._direct_max = direct_max_nbytes
         self._single_copy = arena.single_copy if arena is not None else 0
         self._single_copy_always = single_copy_always
+        self.small_pages = small_pages  # ranks' buffers likely on 4 KiB pages (pages.py)
         self._closers = list(closers)
         self._aborter = aborter
         self._seq = 0
@@ -206,7 +208,8 @@ class Group:
     def _select(self, name, nbytes):
         return algorithms.select(name, nbytes, self.world_size, self._direct_max,
                                  self._single_copy, self._single_copy_always,
-                                 self._arena is not None and self._arena.threads)
+                                 self._arena is not None and self._arena.threads,
+                                 self.small_pages)
 
     # -- collectives ---------------------------------------------------------------------
 

@@ -156,7 +156,7 @@ class ShmRegions:
     """The mapped regions of one group: mine (created) and every peer's (attached)."""
 
     def __init__(self, store, rank, world_size, layout, timeout_s, shm_dir="/dev/shm",
-                 single_copy="auto"):
+                 single_copy="auto", small_pages=False):
         self.rank = rank
         self.world_size = world_size
         self.layout = layout
@@ -169,6 +169,9 @@ class ShmRegions:
         # else single_copy.NONE; the same on every rank (agreed in the rendezvous).
         self.single_copy = single_copy_mod.NONE
         self._want_single_copy = single_copy != "off"
+        # Whether any rank's buffers are likely on 4 KiB pages (pages.py): agreed likewise,
+        # since it steers algorithm choice, which must be the same on every rank.
+        self.small_pages = bool(small_pages)
         try:
             self._rendezvous(store, timeout_s, shm_dir)
         except BaseException:
@@ -198,17 +201,20 @@ class ShmRegions:
         # NOTE: order matters: unlink only after every peer has attached, or a slow peer
         # would find no segment; after this point nothing can leak.
         # The value says whether I can read every peer's memory ("2") or not ("1"): the
-        # group goes single-copy only if every rank can (ptrace access is not symmetric).
+        # group goes single-copy only if every rank can (ptrace access is not symmetric);
+        # an "s" after it: my buffers are likely on small pages.
         can = self._want_single_copy and all(
             self._probe(peer) for peer in range(self.world_size) if peer != self.rank)
-        store.set(f"{base}/attached/{self.rank}", "2" if can else "1")
+        store.set(f"{base}/attached/{self.rank}",
+                  ("2" if can else "1") + ("s" if self.small_pages else ""))
         for peer in range(self.world_size):
             if peer != self.rank:
                 # A rank killed during init must not leave its peers waiting for the store's
                 # timeout: the wait ends as soon as its pid exits.
                 value = _wait_key(store, f"{base}/attached/{peer}", deadline, timeout_s,
                                   f"rank {peer} (pid {self.pids[peer]})", pid=self.pids[peer])
-                can = can and value == "2"
+                can = can and value.startswith("2")
+                self.small_pages = self.small_pages or value.endswith("s")
         self.single_copy = single_copy_mod.CMA if can else single_copy_mod.NONE
         self.unlink()
 

@@ -5,15 +5,19 @@ import numpy as np
 from . import config as _config
 from .group import Group, describe_fingerprint, is_oversubscribed
 from .p2p import P2PEngine
+from .pages import numpy_buffers_small_pages
 from .protocol import Arena, RegionLayout
 from .shm import PidLiveness, ShmRegions
 
 __all__ = ["new_shm_group"]
 
 
-def new_shm_group(store, rank, world_size, timeout_s=1800.0, cfg=None, name=""):
+def new_shm_group(store, rank, world_size, timeout_s=1800.0, cfg=None, name="",
+                  small_pages=None):
     """Rendezvous through `store` (set/get/add, e.g. a c10d Store or shmcoll.FileStore) and
-    return a ready Group. Every rank of the group must call this with the same arguments."""
+    return a ready Group. Every rank of the group must call this with the same arguments.
+    `small_pages`: whether this rank's buffers are likely on 4 KiB pages (see pages.py;
+    None: numpy's arrays); the group takes True if any rank says so."""
     if not 0 <= rank < world_size:
         raise ValueError(f"new_shm_group: rank {rank} is outside world size {world_size}")
     # Imported here, not at module level: `python -m shmcoll.warmup` imports the package
@@ -31,8 +35,10 @@ def new_shm_group(store, rank, world_size, timeout_s=1800.0, cfg=None, name=""):
         return group
     layout = RegionLayout(cfg.slot_nbytes, cfg.nslots, world_size,
                           _config.p2p_cells(cfg, world_size), cfg.p2p_cell_nbytes)
+    if small_pages is None:
+        small_pages = numpy_buffers_small_pages()
     regions = ShmRegions(store, rank, world_size, layout, timeout_s, cfg.shm_dir,
-                         cfg.single_copy)
+                         cfg.single_copy, small_pages)
     liveness = PidLiveness(regions.pids)
     spin = {"spin": False, "yield": True}.get(cfg.spin, is_oversubscribed(world_size))
     arena = Arena(regions.regions, rank, layout, liveness, describe_fingerprint, oversubscribed=spin,
@@ -46,7 +52,8 @@ def new_shm_group(store, rank, world_size, timeout_s=1800.0, cfg=None, name=""):
     # NOTE: order matters: the p2p thread is joined before the regions are unmapped.
     group = Group(arena, rank, world_size, timeout_s, cfg.direct_max_nbytes,
                   closers=[p2p.close, liveness.close, regions.close], name=name,
-                  aborter=p2p.abort, single_copy_always=cfg.single_copy == "always")
+                  aborter=p2p.abort, single_copy_always=cfg.single_copy == "always",
+                  small_pages=regions.small_pages)
     group.attach_p2p(p2p)
     wait_ready()  # see warmup.py: a loader beside the first collectives slows them
     return group

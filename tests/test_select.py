@@ -96,3 +96,48 @@ def test_rank_threads_keep_one_shot_longer(world_size):
         assert select("all_reduce", limit + 1, world_size, threads=True) is all_reduce_two_shot
     if world_size >= 4:  # and processes still cut over where they did
         assert select("all_reduce", limit, world_size) is all_reduce_two_shot
+
+
+def test_small_pages_bound_the_cma_all_reduce():
+    """Guards the 4 KiB-page rule: where the ranks' buffers are likely on small pages,
+    all_reduce reads peers' buffers (CMA) only at 2 ranks below 16 MiB, and slots take the
+    rest; reduce_scatter, rank threads (no pages pinned) and huge pages are unaffected."""
+    from shmcoll.algorithms import SINGLE_COPY_SMALL_PAGES_MAX, all_reduce_single_copy, \
+        all_reduce_two_shot, reduce_scatter_single_copy
+    from shmcoll.single_copy import CMA, IN_PROCESS
+    most, most_ws = SINGLE_COPY_SMALL_PAGES_MAX[CMA]["all_reduce"]
+
+    def ar(nbytes, ws, small, transport=CMA):
+        return algorithms.select("all_reduce", nbytes, ws, single_copy=transport,
+                                 small_pages=small, threads=transport == IN_PROCESS)
+
+    assert most_ws == 2
+    assert ar(most - 1, 2, True) is all_reduce_single_copy
+    assert ar(most, 2, True) is all_reduce_one_shot
+    assert ar(256 << 20, 2, True) is all_reduce_one_shot
+    assert ar(most, 2, False) is all_reduce_single_copy
+    assert ar(256 << 20, 2, False) is all_reduce_single_copy
+    assert ar(4 << 20, 4, True) is all_reduce_two_shot
+    assert ar(4 << 20, 4, False) is all_reduce_single_copy
+    assert ar(256 << 20, 4, True, IN_PROCESS) is all_reduce_single_copy
+    assert algorithms.select("reduce_scatter", 256 << 20, 4, single_copy=CMA,
+                             small_pages=True) is reduce_scatter_single_copy
+
+
+@pytest.mark.parametrize("mode,env,small", [
+    ("always", {}, False), ("madvise", {}, True), ("madvise", {"THP_MEM_ALLOC_ENABLE": "1"}, False),
+    ("madvise", {"THP_MEM_ALLOC_ENABLE": "0"}, True), ("never", {"THP_MEM_ALLOC_ENABLE": "1"}, True)])
+def test_torch_buffers_small_pages(mode, env, small):
+    from shmcoll.pages import numpy_buffers_small_pages, torch_buffers_small_pages
+    assert torch_buffers_small_pages(mode, env) is small
+    assert numpy_buffers_small_pages(mode) is (mode == "never")
+
+
+def test_thp_mode_reads_the_bracketed_word(tmp_path):
+    from shmcoll.pages import thp_mode
+    f = tmp_path / "enabled"
+    f.write_text("always [madvise] never\n")
+    assert thp_mode(str(f)) == "madvise"
+    f.write_text("[always] madvise never\n")
+    assert thp_mode(str(f)) == "always"
+    assert thp_mode(str(tmp_path / "missing")) == "never"

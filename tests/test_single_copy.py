@@ -142,6 +142,29 @@ def test_ranks_agree_on_the_transport():
     assert all(not failures for _, failures in results), results
 
 
+def _pages_differ(rank, world_size, store):
+    """Only rank 0 says its buffers are on small pages; 17 MiB is past the small-page bound
+    of the CMA all_reduce, so ranks that did not agree would run different algorithms."""
+    import shmcoll
+    with harness.patched_environ({"SHMCOLL_SINGLE_COPY": None}):
+        group = shmcoll.new_shm_group(store, rank, world_size, timeout_s=60,
+                                      small_pages=rank == 0)
+    try:
+        failures, _ = run_cases([("all_reduce", functools.partial(
+            check_all_reduce, group, (17 << 20) // 4 + 3, "float32", ReduceOp.SUM, 0))])
+        return group.small_pages, group._arena.single_copy, failures
+    finally:
+        group.close()
+
+
+def test_ranks_agree_on_small_pages():
+    """Guards: the small-pages hint steers algorithm choice, so the ranks agree on one
+    value at init (any rank on small pages makes the group's), and the call is exact."""
+    results = harness.run_ranks(_pages_differ, 2, "processes", timeout_s=JOB_TIMEOUT_S)
+    assert [small for small, _, _ in results] == [True, True], results
+    assert all(not failures for _, _, failures in results), results
+
+
 def _mixed_forms(rank, world_size, store):
     group = harness.new_group(store, rank, world_size)
     try:

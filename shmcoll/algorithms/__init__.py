@@ -18,7 +18,8 @@ from .reduce import reduce_direct
 from .reduce_scatter import reduce_scatter_direct, reduce_scatter_single_copy
 from .scatter import scatter_direct
 
-__all__ = ["select", "one_step_mode", "ONE_SHOT_MAX_NBYTES", "SINGLE_COPY_MIN"]
+__all__ = ["select", "one_step_mode", "ONE_SHOT_MAX_NBYTES", "SINGLE_COPY_MIN",
+           "SINGLE_COPY_SMALL_PAGES_MAX"]
 
 # all_reduce one-shot vs two-shot cut-over, by world size. One-shot reads N*S per rank and
 # needs one wait per sub-chunk; two-shot reads ~2*S but needs two waits (both run as one
@@ -56,6 +57,16 @@ SINGLE_COPY_MIN = {
     CMA: {"all_reduce": (3 << 20, 2), "reduce_scatter": (2 << 20, 2)},
     IN_PROCESS: {"all_reduce": (2 << 20, 4), "reduce_scatter": (256 << 10, 2)},
 }
+# The measurements above used numpy arrays, which sit on transparent huge pages from 4 MiB.
+# Where user buffers are on 4 KiB pages (torch tensors by default, see pages.py), CMA pins
+# 512x more pages, and all_reduce's single copy wins only in a band at 2 ranks. Measured
+# on torch-allocated buffers (engine level, CMA / slots time, alternating blocks): 2 ranks
+# 4 MiB 0.94, 8 MiB 0.83, 16 MiB 1.07 / 1.22 / 0.99, 64 MiB 1.09, 256 MiB 1.22; 4 ranks
+# 4 MiB 1.03, 16 MiB 1.03, 64 MiB 1.16; 8 ranks 16 MiB 1.04 (on numpy's huge pages: 2
+# ranks 16 MiB 0.83, 256 MiB 0.84).
+# reduce_scatter's single copy still wins there (2 ranks 4 MiB 0.91, 16 MiB 0.92; 4 ranks
+# 16 MiB 0.78). Entries: (below this many bytes, at most this world size).
+SINGLE_COPY_SMALL_PAGES_MAX = {CMA: {"all_reduce": (16 << 20, 2)}}
 _SINGLE_COPY = {"all_reduce": all_reduce_single_copy, "all_gather": all_gather_single_copy,
                 "broadcast": broadcast_single_copy, "reduce_scatter": reduce_scatter_single_copy}
 
@@ -72,20 +83,24 @@ _FIXED = {
 
 
 def select(collective, nbytes, world_size, direct_max_nbytes=-1, single_copy=NONE,
-           single_copy_always=False, threads=False):
+           single_copy_always=False, threads=False, small_pages=False):
     """The algorithm function for `collective` moving `nbytes` per rank among `world_size`
     (rank threads of one process when `threads`, else processes).
 
     `direct_max_nbytes` >= 0 overrides the all_reduce one-shot threshold (SHMCOLL_DIRECT_MAX_BYTES).
     `single_copy`: the group's single_copy transport (the same on every rank: agreed at init);
     `single_copy_always` (SHMCOLL_SINGLE_COPY=always) takes its path at every size, for
-    tests and measurements.
+    tests and measurements. `small_pages`: the ranks' buffers are likely on 4 KiB pages
+    (pages.py; agreed at init), which bounds where CMA pays.
     """
     if single_copy != NONE and collective in _SINGLE_COPY:
         if single_copy_always:
             return _SINGLE_COPY[collective]
         least = SINGLE_COPY_MIN[single_copy].get(collective)
-        if least is not None and nbytes >= least[0] and world_size >= least[1]:
+        most = SINGLE_COPY_SMALL_PAGES_MAX.get(single_copy, {}).get(collective) \
+            if small_pages else None
+        if least is not None and nbytes >= least[0] and world_size >= least[1] and (
+                most is None or nbytes < most[0] and world_size <= most[1]):
             return _SINGLE_COPY[collective]
     if collective == "all_reduce":
         limit = direct_max_nbytes

@@ -982,6 +982,7 @@ class ProcessGroupShm(EngineProcessGroup):
     without being registered, like c10d.ProcessGroupGloo."""
 
     def __init__(self, store, rank, size, options=None, timeout=None, group_name=None):
+        from ..pages import torch_buffers_small_pages
         from ..shm_group import new_shm_group
 
         if isinstance(options, datetime.timedelta):
@@ -991,8 +992,10 @@ class ProcessGroupShm(EngineProcessGroup):
             options._timeout = timeout
         if group_name:
             options.group_name = str(group_name)
+        # torch's tensors, unlike numpy's large arrays, sit on 4 KiB pages unless torch was
+        # told otherwise (pages.py): that bounds where reading peers' buffers pays
         group = new_shm_group(store, rank, size, timeout_s=options._timeout.total_seconds(),
-                              name=options.group_name)
+                              name=options.group_name, small_pages=torch_buffers_small_pages())
         super().__init__(group, "shm", store=store, options=options)
 
 
