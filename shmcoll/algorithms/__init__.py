@@ -115,20 +115,23 @@ def select(collective, nbytes, world_size, direct_max_nbytes=-1, single_copy=NON
         raise NotImplementedError(f"no algorithm for collective {collective!r}") from None
 
 
+# The streamed algorithms' one-step mode and their sub-chunk size for a message of nbytes.
+_STREAMED = {all_reduce_one_shot: (ONE_STEP_REDUCE, one_shot_sub_nbytes),
+             all_gather_direct: (ONE_STEP_GATHER, lambda nbytes: STREAM_NBYTES)}
+
+
 def one_step_mode(algo, arena, nbytes, itemsize):
     """The Arena.one_step mode that runs `algo` (as `select` chose it for `nbytes` per rank
     in elements of `itemsize` bytes) as one compiled call with its framing -- it is then a
     single step through one slot --, else None (the general path runs it). The streamed
     algorithms (one-shot all_reduce, all_gather into one array) are one step when the
     message is one sub-chunk; the chunked ones when it fits a slot."""
-    if algo is all_reduce_one_shot:
-        one_sub_chunk = nbytes <= arena.sub_nbytes(itemsize, one_shot_sub_nbytes(nbytes))
-        return ONE_STEP_REDUCE if one_sub_chunk else None
+    streamed = _STREAMED.get(algo)  # all_gather: the one-output-array form (Group's call)
+    if streamed is not None:
+        mode, sub_nbytes = streamed
+        return mode if nbytes <= arena.sub_nbytes(itemsize, sub_nbytes(nbytes)) else None
     if algo is broadcast_direct:  # count 0 takes no slot there (no chunk): general path
         return ONE_STEP_BROADCAST if 0 < nbytes <= arena.slot_nbytes else None
-    if algo is all_gather_direct:  # the one-output-array form only (Group's call)
-        one_sub_chunk = nbytes <= arena.sub_nbytes(itemsize, STREAM_NBYTES)
-        return ONE_STEP_GATHER if one_sub_chunk else None
     if algo is reduce_scatter_direct:  # the one-input-array form only; nbytes: the input
         return ONE_STEP_REDUCE_SCATTER if 0 < nbytes <= arena.slot_nbytes else None
     return None
