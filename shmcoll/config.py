@@ -29,6 +29,24 @@ class Config:
     # rank can (single_copy.py, algorithms.SINGLE_COPY_MIN); "off": always through the
     # slots; "always": single-copy at every size where it can (tests, measurements).
     single_copy: str = "auto"
+    # cuda_ipc (device tensors): per rank, cuda_nslots device slots of cuda_slot_nbytes
+    # (a collective moves through them in chunks; not yet tuned on a GPU: the size trades
+    # device memory against per-chunk overhead, ~10 us of host work and two flag round
+    # trips per chunk), and in the host-staged tier (GPUs without P2P) host slots of
+    # cuda_host_slot_nbytes in /dev/shm. cuda_tier: "auto" | "ipc" (fail if peers'
+    # memory cannot be mapped) | "host" (always stage through host memory).
+    cuda_slot_nbytes: int = 32 * MIB
+    cuda_nslots: int = 2
+    cuda_host_slot_nbytes: int = 4 * MIB
+    cuda_tier: str = "auto"
+    # Tests only: run cuda_ipc on the simulated device (cuda_ipc/sim.py). "inline": every
+    # CPU tensor of backend "shm" takes the device path (the whole torch.distributed surface
+    # through cuda_ipc's code on the CPU); "" (default): off. cuda_sim_device: this rank's
+    # simulated device index (equal indices = one "GPU"); cuda_sim_p2p: whether different
+    # simulated devices can map each other's memory (0: the host-staged tier).
+    cuda_sim: str = ""
+    cuda_sim_device: int = 0
+    cuda_sim_p2p: bool = True
 
 
 P2P_AUTO_REGION_NBYTES = 2 * MIB
@@ -52,6 +70,13 @@ _ENV = {
     "SHMCOLL_P2P_CELL_BYTES": ("p2p_cell_nbytes", int),
     "SHMCOLL_P2P_CELLS": ("p2p_cells", int),
     "SHMCOLL_SINGLE_COPY": ("single_copy", str),
+    "SHMCOLL_CUDA_SLOT_BYTES": ("cuda_slot_nbytes", int),
+    "SHMCOLL_CUDA_NSLOTS": ("cuda_nslots", int),
+    "SHMCOLL_CUDA_HOST_SLOT_BYTES": ("cuda_host_slot_nbytes", int),
+    "SHMCOLL_CUDA_TIER": ("cuda_tier", str),
+    "SHMCOLL_CUDA_SIM": ("cuda_sim", str),
+    "SHMCOLL_CUDA_SIM_DEVICE": ("cuda_sim_device", int),
+    "SHMCOLL_CUDA_SIM_P2P": ("cuda_sim_p2p", lambda v: v not in ("0", "false", "no", "")),
 }
 
 
@@ -72,6 +97,16 @@ def from_env(environ=None, **overrides):
     if cfg.single_copy not in ("auto", "always", "off"):
         raise ValueError(f"SHMCOLL_SINGLE_COPY must be auto, always or off, got "
                          f"{cfg.single_copy!r}")
+    if cfg.cuda_tier not in ("auto", "ipc", "host"):
+        raise ValueError(f"SHMCOLL_CUDA_TIER must be auto, ipc or host, got {cfg.cuda_tier!r}")
+    if cfg.cuda_sim not in ("", "inline", "async"):
+        raise ValueError(f"SHMCOLL_CUDA_SIM must be empty, inline or async, got "
+                         f"{cfg.cuda_sim!r}")
+    if cfg.cuda_nslots < 2 or cfg.cuda_slot_nbytes < 4096 or cfg.cuda_slot_nbytes % 4096 \
+            or cfg.cuda_host_slot_nbytes < 4096 or cfg.cuda_host_slot_nbytes % 4096:
+        raise ValueError(f"SHMCOLL_CUDA_NSLOTS must be >= 2 and the SHMCOLL_CUDA_*SLOT_BYTES "
+                         f"positive multiples of 4096, got {cfg.cuda_nslots}, "
+                         f"{cfg.cuda_slot_nbytes} and {cfg.cuda_host_slot_nbytes}")
     if cfg.p2p_cells < 0 or cfg.p2p_cell_nbytes < 64 or cfg.p2p_cell_nbytes % 64:
         raise ValueError(f"SHMCOLL_P2P_CELLS must be >= 0 (0 = auto) and SHMCOLL_P2P_CELL_BYTES "
                          f"a positive multiple of 64, got {cfg.p2p_cells} and "

@@ -26,12 +26,22 @@ log = logging.getLogger("shmcoll")
 COLLECTIVES = ("barrier", "all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter",
                "gather", "scatter", "all_to_all")
 _CODE = {name: i + 1 for i, name in enumerate(COLLECTIVES)}
+# Device collectives (cuda_ipc) fingerprint as "device <collective>", so a rank that calls
+# the host form where its peer calls the device form gets a mismatch, not a hang.
+DEVICE_CODE = 64
+_CODE.update({f"device {name}": DEVICE_CODE + code for name, code in list(_CODE.items())})
+_CODE["device setup"] = DEVICE_CODE
 FLIGHT_RECORD_LEN = 64
 
 
 def describe_fingerprint(fp):
     """Render (collective, dtype, count, root, op, extra) for error messages."""
     coll, dtype, count, root, op, _extra = (list(fp) + [0] * 6)[:6]
+    device = ""
+    if coll >= DEVICE_CODE:
+        coll, device = coll - DEVICE_CODE, "device "
+        if coll == 0:
+            return "device setup()"
     name = COLLECTIVES[coll - 1] if 0 < coll <= len(COLLECTIVES) else f"collective#{coll}"
     parts = []
     if dtype in DTYPE_BY_CODE:
@@ -41,7 +51,7 @@ def describe_fingerprint(fp):
         parts.append(f"root={root}")
     if name in ("all_reduce", "reduce", "reduce_scatter"):
         parts.append(f"op={ReduceOp(op).name if op in ReduceOp._value2member_map_ else op}")
-    return f"{name}({', '.join(parts)})"
+    return f"{device}{name}({', '.join(parts)})"
 
 
 def is_oversubscribed(ranks_here):
@@ -137,15 +147,15 @@ class Group:
                  "t_start": time.time(), "t_end": None}
         self.flight_record.append(entry)
         if self._arena is None:  # world_size 1: local semantics, no shared memory
-            algo(None, *args)
+            result = algo(None, *args)
             entry["state"], entry["t_end"] = "completed", time.time()
-            return
+            return result
         arena = self._arena
         arena.begin(seq, name, (_CODE[name],) + fp, self.timeout_s if timeout_s is None
                     else float(timeout_s))
         step0 = arena.step
         try:
-            algo(arena, *args)
+            result = algo(arena, *args)
             if arena.step == step0:
                 # Nothing to move (count 0): still one post/wait, so every collective checks
                 # fingerprints and a rank whose count is not 0 cannot be left waiting.
@@ -154,6 +164,16 @@ class Group:
             self._failed(entry, seq, e)
             raise
         entry["state"], entry["t_end"] = "completed", time.time()
+        return result
+
+    def run_collective(self, name, fp, algo, *args, timeout_s=None, nbytes=0):
+        """Run a collective implemented outside the engine (cuda_ipc's device collectives):
+        numbered, fingerprinted ((code of `name`,) + fp), flight-recorded and poisoning like
+        every other; `algo(arena, *args)` (arena None at world size 1) starts with a post
+        and a wait. Returns algo's result."""
+        if self._poison is not None or self._closed:
+            self._usable(name)
+        return self._run(name, fp, algo, *args, timeout_s=timeout_s, nbytes=nbytes)
 
     def _run_one_step(self, name, plan, src, out, root, timeout_s):
         """_run for a collective the Arena runs as one compiled call, framing included
@@ -182,10 +202,29 @@ class Group:
             entry["state"], entry["t_end"] = "invalid", time.time()
         else:
             entry["state"], entry["t_end"] = "failed", time.time()
-            self._poison = e
-            self._arena.abort_at(seq)  # peers waiting for us (at seq or later) fail fast
+            self.poison(e, seq)
             if isinstance(e, CollectiveTimeoutError):
                 self.dump_flight_record()
+
+    def poison(self, error, seq):
+        """Make every later call raise `error` (the first one wins) and tell the peers that
+        collective `seq` failed here (also called by cuda_ipc's watchdog thread)."""
+        if self._poison is None:
+            self._poison = error
+        if self._arena is not None:
+            self._arena.abort_at(seq)  # peers waiting for us (at seq or later) fail fast
+
+    def attach_device(self, closer, aborter):
+        """cuda_ipc's device arena: closed before everything else (it needs peer liveness),
+        aborted with the group."""
+        self._closers.insert(0, closer)
+        previous = self._aborter
+
+        def abort_both():
+            aborter()
+            if previous is not None:
+                previous()
+        self._aborter = abort_both
 
     def dump_flight_record(self, logger=log):
         """Log the last collectives of this rank (seq, op, bytes, state, timestamps)."""

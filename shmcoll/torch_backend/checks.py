@@ -108,8 +108,7 @@ def dense(name, items):
 def cpu(name, items):
     for i, t in enumerate(items):
         if t.device.type != "cpu":
-            fail(name, f"unsupported device type {t.device.type} at index {i} (this group "
-                       f"moves CPU tensors; CUDA tensors go through cuda_ipc)")
+            fail(name, f"unsupported device type {t.device.type} at index {i}")
         if t.is_meta:
             fail(name, f"unsupported device type meta at index {i}")
 
@@ -121,14 +120,18 @@ def dense_cpu(name, items):
     cpu(name, items)
 
 
-def coalesced_pairs(name, outputs, inputs, world_size, gather):
-    """(output, input) pairs of the *_tensor_coalesced ops: equal list lengths, dense CPU,
-    same dtype per pair, and the gathered side world_size times the other (the output for
-    all-gathers, the input for reduce-scatters)."""
+def coalesced_pairs(name, outputs, inputs, world_size, gather, on_device=False):
+    """(output, input) pairs of the *_tensor_coalesced ops: equal list lengths, dense (and on
+    the CPU unless `on_device`: cuda_ipc checks its own device), same dtype per pair, and
+    the gathered side world_size times the other (the output for all-gathers, the input
+    for reduce-scatters)."""
     if len(outputs) != len(inputs):
         fail(name, f"requires input/output tensor lists to have the same length "
                    f"({len(inputs)} inputs, {len(outputs)} outputs)")
-    dense_cpu(name, outputs + inputs)
+    tensors(name, outputs + inputs)
+    dense(name, outputs + inputs)
+    if not on_device:
+        cpu(name, outputs + inputs)
     big, small = ("output", "input") if gather else ("input", "output")
     for i, (o, t) in enumerate(zip(outputs, inputs)):
         if o.dtype != t.dtype:

@@ -56,7 +56,8 @@ def _ready(pg, opts):
     """Synchronous, not coalescing, group healthy: the inline path may run (a poisoned
     group takes the general path, which words the "aborted after an earlier failure"
     error)."""
-    return not opts.asyncOp and pg._coalescing is None and pg.group.poisoned is None
+    return not opts.asyncOp and pg._coalescing is None and pg.group.poisoned is None \
+        and pg._inline_ok
 
 
 def _timeout_s(pg, opts):

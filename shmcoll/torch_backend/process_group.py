@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as _c10d
 
+from .. import config as _config
 from ..errors import CollectiveTimeoutError, GroupAbortedError
 from ..kernels import reduce_into
 from ..ops import ReduceOp, dtype_of, reduce_spec
@@ -170,6 +171,10 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
         self._options = opts
         self._executor = self.executor_class(f"{backend_name}-{group.name or 'pg'}",
                                              on_abort=group.abort)
+        self._cfg = _config.from_env()
+        self._device_sim = bool(self._cfg.cuda_sim)  # tests: CPU tensors take cuda_ipc's path
+        self._inline_ok = not self._device_sim  # fast.py's latency path (host tensors only)
+        self._device = None  # cuda_ipc's DevicePath, built by the first device collective
         self._closed = False
         self._lock = threading.Lock()  # seq and coalescing state (ops may come from threads)
         self._seq = 0
@@ -292,6 +297,31 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
     def supports_tensor_alloc(self, device=None):
         return False
 
+    # -- device tensors (cuda_ipc) --------------------------------------------------------
+
+    def _device_checks(self, tensors):
+        """Whether `tensors` go to cuda_ipc: any is a CUDA tensor, or every tensor does
+        (SHMCOLL_CUDA_SIM: the simulated device, tests only)."""
+        return self._device_sim or any(isinstance(t, torch.Tensor) and t.is_cuda
+                                       for t in tensors)
+
+    def _on_device(self, name, tensors, dense=True):
+        """gloo's tensor/layout checks, then True for device tensors (cuda_ipc's path,
+        which checks they share this group's device) or False after the CPU check."""
+        checks.tensors(name, tensors)
+        if dense:
+            checks.dense(name, tensors)
+        if self._device_checks(tensors):
+            return True
+        checks.cpu(name, tensors)
+        return False
+
+    def _device_path(self, tensors):
+        if self._device is None:
+            import cuda_ipc
+            self._device = cuda_ipc.device_path(self, tensors[0].device, self._cfg)
+        return self._device
+
     # -- reductions ----------------------------------------------------------------------
 
     def _prepare_reduce(self, name, tensors, op):
@@ -324,7 +354,8 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
         checks.tensors(name, tensors)
         checks.layout_match(name, tensors)
         checks.type_and_size_match(name, tensors)
-        checks.cpu(name, tensors)
+        if self._on_device(name, tensors, dense=False):
+            return self._device_path(tensors).allreduce(tensors, opts)
         if tensors[0].layout == torch.sparse_coo:
             return self._allreduce_sparse(tensors, opts)
         checks.dense(name, tensors)
@@ -368,10 +399,10 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
             if t.device != tensors[0].device:
                 checks.fail(name, f"tensors must all be on the same device (index 0 is on "
                                   f"{tensors[0].device}, index {i} on {t.device})")
-        if tensors[0].device.type != "cpu":
-            checks.fail(name, f"unsupported device type {tensors[0].device.type}")
         if tensors[0].layout != torch.strided:
             checks.fail(name, f"unsupported layout {tensors[0].layout}")
+        if self._on_device(name, tensors):
+            return self._device_path(tensors).allreduce_coalesced(tensors, opts)
         arrays, op, premul = self._prepare_reduce(name, tensors, opts.reduceOp)
         t_s = self._op_timeout(opts)
 
@@ -400,7 +431,8 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
         checks.root_rank(name, opts.rootRank, self.size())
         checks.root_tensor(name, opts.rootTensor, len(tensors))
         checks.single(name, tensors, "tensor list")
-        checks.dense_cpu(name, tensors)
+        if self._on_device(name, tensors):
+            return self._device_path(tensors).reduce(tensors, opts)
         arrays, op, premul = self._prepare_reduce(name, tensors, opts.reduceOp)
         root, t_s = opts.rootRank, self._op_timeout(opts)
 
@@ -428,11 +460,13 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
         if len(ins) != self.size():
             checks.fail(name, f"invalid input tensor list size {len(ins)} (expected "
                               f"{self.size()}, the group size)")
-        checks.dense_cpu(name, outs + ins)
+        device = self._on_device(name, outs + ins)
         checks.type_match(name, ins, outs[0])
         if ins[self.rank()].numel() != outs[0].numel():
             checks.fail(name, f"invalid tensor size: input {self.rank()} has "
                               f"{ins[self.rank()].numel()} elements, output {outs[0].numel()}")
+        if device:
+            return self._device_path(outs).reduce_scatter(name, outs[0], ins, opts, outs)
         return self._reduce_scatter(name, outs[0], ins, opts, outs)
 
     def _reduce_scatter(self, name, out, ins, opts, value):
@@ -451,12 +485,14 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
             return work
         name = "reduce_scatter_tensor"
         opts = opts if isinstance(opts, dist.ReduceScatterOptions) else _rs_opts(opts)
-        checks.dense_cpu(name, [output, input])
+        device = self._on_device(name, [output, input])
         checks.type_match(name, [input], output)
         if input.numel() != output.numel() * self.size():
             checks.fail(name, f"input tensor must be the same size as output size times world "
                               f"size (input {input.numel()}, output {output.numel()}, world "
                               f"size {self.size()})")
+        if device:
+            return self._device_path([output]).reduce_scatter_single(name, output, input, opts)
         return self._reduce_scatter(name, output, self._chunks(input), opts, [output])
 
     _reduce_scatter_base = reduce_scatter_single
@@ -473,9 +509,13 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
         name = "reduce_scatter_tensor_coalesced"
         opts = opts if isinstance(opts, dist.ReduceScatterOptions) else _rs_opts(opts)
         outputs, inputs = list(outputs), list(inputs)
-        checks.coalesced_pairs(name, outputs, inputs, self.size(), gather=False)
+        checks.coalesced_pairs(name, outputs, inputs, self.size(), gather=False,
+                               on_device=self._device_checks(outputs + inputs))
         if not outputs:
             return self._submit(name, lambda: None, [])
+        if self._device_checks(outputs):
+            return self._device_path(outputs).reduce_scatter_single_coalesced(
+                name, outputs, inputs, opts)
         prepared = [self._prepare_reduce(name, [o], opts.reduceOp) for o in outputs]
         op, premul = prepared[0][1], prepared[0][2]
         t_s = self._op_timeout(opts)
@@ -521,8 +561,10 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
         _set_timeout(opts, timeout)
         checks.root_rank(name, opts.rootRank, self.size())
         checks.root_tensor(name, opts.rootTensor, len(tensors))
-        checks.dense_cpu(name, tensors)
+        device = self._on_device(name, tensors)
         checks.type_and_size_match(name, tensors)
+        if device:
+            return self._device_path(tensors).broadcast(tensors, opts)
         arrays = [as_array(t, for_reduce=False)[0] for t in tensors]
         root, index, t_s = opts.rootRank, opts.rootTensor, self._op_timeout(opts)
 
@@ -554,11 +596,14 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
             if len(outs) != self.size() * k:
                 checks.fail(name, f"invalid output tensor list at index {i} (expected length "
                                   f"{self.size() * k}, got {len(outs)})")
-        checks.dense_cpu(name, inputs)
+        device = self._on_device(name, inputs)
         checks.type_and_size_match(name, inputs)
         for outs in output_lists:
-            checks.dense_cpu(name, outs)
+            self._on_device(name, outs)
             checks.type_and_size_match(name, outs, inputs[0])
+        if device:
+            return self._device_path(inputs).allgather(output_lists, inputs, opts,
+                                                       _gloo_value(output_lists))
         srcs = [as_array(t, False)[0] for t in inputs]
         dsts = [[as_array(o, False)[0] for o in outs] for outs in output_lists]
         t_s = self._op_timeout(opts)
@@ -590,12 +635,12 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
         if len(output_lists) != self.size():
             checks.fail(name, f"output lists should be equal to world size (got "
                               f"{len(output_lists)}, world size {self.size()})")
-        checks.dense_cpu(name, inputs)
+        device = self._on_device(name, inputs)
         for outs in output_lists:
             if len(outs) != len(inputs):
                 checks.fail(name, f"invalid output size: (expected length {len(inputs)}, got "
                                   f"{len(outs)})")
-            checks.dense_cpu(name, outs)
+            self._on_device(name, outs)
             for i, (o, t) in enumerate(zip(outs, inputs)):
                 if o.shape != t.shape:
                     checks.fail(name, f"invalid size of output tensor at index {i} (expected "
@@ -603,6 +648,9 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
                 if o.dtype != t.dtype:
                     checks.fail(name, f"invalid tensor type at index {i} (expected {t.dtype}, "
                                       f"got {o.dtype})")
+        if device:
+            return self._device_path(inputs).allgather_coalesced(output_lists, inputs, opts,
+                                                                 _gloo_value(output_lists))
         t_s = self._op_timeout(opts)
         return self._submit(name, self._gather_bytes_job(output_lists, inputs, t_s),
                             _gloo_value(output_lists))
@@ -631,12 +679,14 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
             return work
         name = "all_gather_into_tensor"
         opts = opts or _c10d.AllgatherOptions()
-        checks.dense_cpu(name, [output, input])
+        device = self._on_device(name, [output, input])
         checks.type_match(name, [input], output)
         if output.numel() != input.numel() * self.size():
             checks.fail(name, f"output tensor size must be equal to world_size times input "
                               f"tensor size (output {output.numel()}, input {input.numel()}, "
                               f"world size {self.size()})")
+        if device:
+            return self._device_path([output]).all_gather_single(output, input, opts)
         t_s = self._op_timeout(opts)
         chunks = self._chunks_of(output)
         job = self._gather_bytes_job([[c] for c in chunks], [input], t_s)
@@ -663,9 +713,12 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
         name = "allgather_into_tensor_coalesced"
         opts = opts or _c10d.AllgatherOptions()
         outputs, inputs = list(outputs), list(inputs)
-        checks.coalesced_pairs(name, outputs, inputs, self.size(), gather=True)
+        checks.coalesced_pairs(name, outputs, inputs, self.size(), gather=True,
+                               on_device=self._device_checks(outputs + inputs))
         if not outputs:
             return self._submit(name, lambda: None, [])
+        if self._device_checks(outputs):
+            return self._device_path(outputs).all_gather_single_coalesced(outputs, inputs, opts)
         t_s = self._op_timeout(opts)
         chunked = [self._chunks_of(o) for o in outputs]
         output_lists = [[c[r] for c in chunked] for r in range(self.size())]
@@ -696,7 +749,7 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
         root = opts.rootRank
         checks.root_rank(name, root, self.size())
         checks.single(name, inputs, "input tensor list")
-        checks.dense_cpu(name, inputs)
+        device = self._on_device(name, inputs)
         outs = []
         if self.rank() == root:
             if len(output_lists) != 1:
@@ -707,11 +760,13 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
                                   f"list size should be {self.size()}, same as size of the "
                                   f"process group.")
             outs = list(output_lists[0])
-            checks.dense_cpu(name, outs)
+            self._on_device(name, outs)
             checks.type_and_size_match(name, outs, inputs[0])
         elif len(output_lists) != 0:
             checks.fail(name, f"requires empty output on non-root (rank {self.rank()}, root "
                               f"{root})")
+        if device:
+            return self._device_path(inputs).gather(outs, inputs, opts, _gloo_value(output_lists))
         src = as_array(inputs[0], False)[0]
         dsts = [as_array(o, False)[0] for o in outs] or None
         t_s = self._op_timeout(opts)
@@ -736,7 +791,7 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
         root = opts.rootRank
         checks.root_rank(name, root, self.size())
         checks.single(name, outputs, "output tensor list")
-        checks.dense_cpu(name, outputs)
+        device = self._on_device(name, outputs)
         ins = []
         if self.rank() == root:
             if len(input_lists) != 1:
@@ -747,11 +802,13 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
                                   f"list size should be {self.size()}, same as size of the "
                                   f"process group.")
             ins = list(input_lists[0])
-            checks.dense_cpu(name, ins)
+            self._on_device(name, ins)
             checks.type_and_size_match(name, ins, outputs[0])
         elif len(input_lists) != 0:
             checks.fail(name, f"requires empty input on non-root (rank {self.rank()}, root "
                               f"{root})")
+        if device:
+            return self._device_path(outputs).scatter(outputs, ins, opts)
         dst = as_array(outputs[0], False)[0]
         srcs = [as_array(t, False)[0] for t in ins] or None
         t_s = self._op_timeout(opts)
@@ -768,8 +825,10 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
             if len(lst) != self.size():
                 checks.fail(name, f"invalid {what} tensor list size {len(lst)} (expected "
                                   f"{self.size()}, the group size)")
-        checks.dense_cpu(name, outs + ins)
+        device = self._on_device(name, outs + ins)
         checks.type_match(name, outs + ins)
+        if device:
+            return self._device_path(outs).alltoall(outs, ins, opts, outs)
         src = [as_array(t, False)[0] for t in ins]
         dst = [as_array(t, False)[0] for t in outs]
         t_s = self._op_timeout(opts)
@@ -784,7 +843,7 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
         if isinstance(opts, datetime.timedelta):
             opts = _set_timeout(dist.AllToAllOptions(), opts)
         opts = opts or dist.AllToAllOptions()
-        checks.dense_cpu(name, [output, input])
+        device = self._on_device(name, [output, input])
         n = self.size()
         if not output_split_sizes and not input_split_sizes:
             if output.numel() != input.numel() or output.dtype != input.dtype:
@@ -795,6 +854,8 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
             checks.type_match(name, [input], output)
         ins = _split_rows(name, input, input_split_sizes, n)
         outs = _split_rows(name, output, output_split_sizes, n)
+        if device:
+            return self._device_path([output]).alltoall(outs, ins, opts, [output])
         src = [as_array(t, False)[0] for t in ins]
         dst = [as_array(t, False)[0] for t in outs]
         t_s = self._op_timeout(opts)

@@ -1,0 +1,52 @@
+"""The control plane of a device arena: all-gathers of short strings and host regions.
+
+Ranks that are processes rendezvous through the process group's c10d store (the same
+store the shm segments were named through): every value lives under a per-rank
+generation prefix, so a group re-created on the same store never reads an old value, and
+every wait has the group's deadline and gives up as soon as the awaited rank's process
+exits (shm._wait_key). The host region of the arena (flag words; host-tier slots) is a
+shm.ShmRegions segment with its own layout: created O_EXCL 0600, verified on attach and
+unlinked once every rank attached, exactly like the engine's own regions.
+"""
+
+import time
+
+from shmcoll.shm import ShmRegions, _wait_key
+
+__all__ = ["ProcessRendezvous"]
+
+
+class ProcessRendezvous:
+    """Rendezvous of rank processes over `store` (set/get/add, and check for deadlines)."""
+
+    in_process = False
+
+    def __init__(self, store, rank, world_size, pids, timeout_s, shm_dir="/dev/shm"):
+        self.rank = rank
+        self.world_size = world_size
+        self._store = store
+        self._pids = list(pids)
+        self._timeout_s = float(timeout_s)
+        self._shm_dir = shm_dir
+        self._deadline = time.monotonic() + self._timeout_s
+        gen = store.add(f"cuda_ipc/gen/{rank}", 1)
+        self._base = f"cuda_ipc/{gen}"
+
+    def all_gather(self, what, text):
+        """Every rank's `text` for `what`, in rank order (mine included)."""
+        self._store.set(f"{self._base}/{what}/{self.rank}", text)
+        values = []
+        for peer in range(self.world_size):
+            if peer == self.rank:
+                values.append(text)
+                continue
+            values.append(_wait_key(self._store, f"{self._base}/{what}/{peer}", self._deadline,
+                                    self._timeout_s, f"rank {peer}'s {what}",
+                                    pid=self._pids[peer] or None))
+        return values
+
+    def host_regions(self, layout):
+        """Map every rank's host region of `layout` (ShmRegions: .regions, .close())."""
+        left = max(1.0, self._deadline - time.monotonic())
+        return ShmRegions(self._store, self.rank, self.world_size, layout, left,
+                          self._shm_dir, single_copy="off")

@@ -1,0 +1,278 @@
+"""cuda_ipc without a GPU: its protocol, algorithms and torch adapter on the simulated device.
+
+The simulated device (cuda_ipc/sim.py) is the device seam over shared memory, so these
+tests run the code a GPU runs, minus the CUDA calls themselves:
+- unit: the cyclic flag comparison, the tier choice, the reduction's definition;
+- the whole torch.distributed surface on backend "shm" with SHMCOLL_CUDA_SIM=inline (every
+  tensor takes the device path): the host backend's own test bodies, reused;
+- the tiers: same device, different devices with peer access, without (host-staged).
+Engine-level ordering, faults and leaks with asynchronous streams: test_cuda_ipc_async.py.
+GPU tests (marked `cuda`): test_cuda_ipc_gpu.py.
+"""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import harness
+import test_torch_backend as tb
+from cuda_ipc import tiers
+from cuda_ipc.device import DeviceError, at_or_past, word_add
+from cuda_ipc.reduce import reduce_into
+from shmcoll import config, kernels
+from shmcoll.ops import DTYPES, ReduceOp, reduce_spec
+
+SIM = {"SHMCOLL_CUDA_SIM": "inline"}
+JOB_TIMEOUT_S = tb.JOB_TIMEOUT_S
+
+
+# ------------------------------------------------------------------------------ unit
+
+def test_flag_words_compare_cyclically():
+    assert at_or_past(5, 5) and at_or_past(6, 5) and not at_or_past(4, 5)
+    top = 0xFFFFFFFF
+    assert at_or_past(word_add(top, 3), top)  # wrapped past: still "after"
+    assert not at_or_past(top, word_add(top, 3))
+    assert word_add(top, 1) == 0 and word_add(0, -1) == top
+
+
+def _infos(*uuids, kind="cuda"):
+    return [tiers.DeviceInfo(kind, u, i, "gpu") for i, u in enumerate(uuids)]
+
+
+class _Dev:
+    def __init__(self, can):
+        self._can = can
+
+    def can_access_peer(self, uuid):
+        return self._can
+
+
+def test_tier_choice():
+    same, two = _infos("a", "a", "a"), _infos("a", "b")
+    assert tiers.choose(same, [True] * 3) == tiers.SAME_GPU
+    assert tiers.choose(two, [True, True]) == tiers.P2P
+    assert tiers.choose(two, [True, False]) == tiers.HOST  # any failed probe: host, everywhere
+    assert tiers.choose(same, [True] * 3, "host") == tiers.HOST
+    with pytest.raises(DeviceError, match="SHMCOLL_CUDA_TIER=ipc.*ranks \\[1\\]"):
+        tiers.choose(two, [True, False], "ipc")
+    with pytest.raises(ValueError, match="SHMCOLL_CUDA_TIER"):
+        tiers.choose(two, [True, True], "fast")
+    assert tiers.wants_ipc(same, 0, _Dev(False))  # one device needs no peer access
+    assert not tiers.wants_ipc(two, 0, _Dev(False))
+    assert tiers.wants_ipc(two, 0, _Dev(True))
+    assert not tiers.wants_ipc(two, 0, _Dev(True), "host")
+    with pytest.raises(DeviceError, match="different device kinds"):
+        tiers.wants_ipc(_infos("a") + _infos("b", kind="sim"), 0, _Dev(True))
+    info = tiers.DeviceInfo("cuda", "GPU-1|x", 3, "H100 | SXM")
+    back = tiers.DeviceInfo.parse(info.render())
+    assert (back.kind, back.uuid, back.index, back.name) == ("cuda", "GPU-1|x", 3, "H100 | SXM")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int32", "int8", "complex64", "bool"])
+@pytest.mark.parametrize("op", list(ReduceOp))
+@pytest.mark.parametrize("nsrc", [1, 2, 3])
+def test_reduce_matches_the_host_kernel(dtype, op, nsrc):
+    """reduce_into (torch kernels) computes the same bytes as the host's numba kernel for
+    every op and dtype it allows (fixed order, pre and post scaling)."""
+    d = DTYPES[dtype]
+    try:
+        spec = reduce_spec(op, d, 3, premul=2.5)
+    except TypeError:
+        return  # the op is not defined for this dtype
+    rng = np.random.default_rng(nsrc * 100 + int(op))
+    srcs = [_random(rng, d.storage if dtype != "bool" else np.bool_, 257) for _ in range(nsrc)]
+    want = srcs[0].view(d.storage).copy()
+    kernels.reduce_into(want, np.array([s.ctypes.data for s in srcs], np.int64), spec.op,
+                        spec.kind, spec.pre, spec.post)
+    tsrcs = [torch.from_numpy(s.copy()) for s in srcs]
+    out = torch.empty_like(tsrcs[0])
+    reduce_into(out, tsrcs, spec)
+    got = out.numpy().view(d.storage)
+    if spec.kind in ("float", "complex") and (spec.pre != 1.0 or spec.post != 1.0):
+        np.testing.assert_allclose(got, want, rtol=1e-6)  # a*x+b may fuse differently
+    else:
+        assert got.tobytes() == want.tobytes(), (got[:5], want[:5])
+
+
+@pytest.mark.parametrize("kind", ["float16", "bfloat16"])
+def test_half_precision_accumulates_in_float32_and_rounds_once(kind):
+    """Three float16 inputs whose pairwise sums round: folding in float16 would round twice."""
+    tdtype = torch.float16 if kind == "float16" else torch.bfloat16
+    a = torch.tensor([2048.0, 1.0, 256.0], dtype=tdtype)
+    b = torch.tensor([1.0, 2048.0, 1.0], dtype=tdtype)
+    c = torch.tensor([1.0, 1.0, 1.0], dtype=tdtype)
+    out = torch.empty_like(a)
+    reduce_into(out, [a, b, c], reduce_spec(ReduceOp.SUM, DTYPES[kind], 3))
+    want = (a.float() + b.float() + c.float()).to(tdtype)
+    assert torch.equal(out, want), (out, want)
+    twice = (a + b) + c
+    assert not torch.equal(twice, want), "inputs chosen so that double rounding differs"
+
+
+def _random(rng, storage, n):
+    if storage == np.bool_:
+        return rng.integers(0, 2, n).astype(np.uint8)
+    if np.issubdtype(storage, np.integer):
+        return rng.integers(-50, 50, n).astype(storage)
+    if np.issubdtype(storage, np.complexfloating):
+        return (rng.standard_normal(n) + 1j * rng.standard_normal(n)).astype(storage)
+    return rng.standard_normal(n).astype(storage)
+
+
+def test_config_validates_cuda_settings():
+    assert config.from_env({"SHMCOLL_CUDA_TIER": "host"}).cuda_tier == "host"
+    with pytest.raises(ValueError, match="SHMCOLL_CUDA_TIER"):
+        config.from_env({"SHMCOLL_CUDA_TIER": "nvlink"})
+    with pytest.raises(ValueError, match="SHMCOLL_CUDA_SIM"):
+        config.from_env({"SHMCOLL_CUDA_SIM": "yes"})
+    with pytest.raises(ValueError, match="SHMCOLL_CUDA_NSLOTS"):
+        config.from_env({"SHMCOLL_CUDA_SLOT_BYTES": "1000"})
+    assert not config.from_env({"SHMCOLL_CUDA_SIM_P2P": "0"}).cuda_sim_p2p
+
+
+# ------------------------------------------- the torch.distributed surface, device path
+
+def _sim_env(**extra):
+    env = dict(SIM)
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def _on_device_path(rank, ws, fn, *args):
+    """fn, after checking that this group really routes tensors through cuda_ipc."""
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    pg = dist.group.WORLD
+    assert ws == 1 or (pg._device is not None and pg._device.dg.arena is not None), \
+        "SHMCOLL_CUDA_SIM did not route the tensors through cuda_ipc"
+    return fn(rank, ws, *args)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_dist_collectives_on_the_device_path(world_size):
+    """Every collective and dtype through dist.* (test_torch_backend's sweep), with small
+    device slots so that messages are chunked and slots reused."""
+    assert all(harness.run_torch_ranks(
+        _on_device_path, world_size, "shm", JOB_TIMEOUT_S,
+        args=(tb._dist_sweep, tb.ALL_DTYPES + [torch.uint16]),
+        env=_sim_env(SHMCOLL_CUDA_SLOT_BYTES=4096)))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("job,world_size", [
+    (tb._all_ops, 3), (tb._pg_direct, 2), (tb._strided, 2), (tb._strided, 3), (tb._lists, 2),
+    (tb._every_dtype, 2)], ids=["ops", "pg_object", "strided2", "strided3", "lists", "dtypes"])
+def test_torch_surface_on_the_device_path(job, world_size):
+    assert all(harness.run_torch_ranks(_on_device_path, world_size, "shm", JOB_TIMEOUT_S,
+                                       args=(job,), env=_sim_env()))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_async_ops_and_futures_on_the_device_path():
+    assert all(harness.run_torch_ranks(_on_device_path, 2, "shm", JOB_TIMEOUT_S,
+                                       args=(tb._async_many, 100), env=_sim_env()))
+
+
+def _large(rank, ws):
+    """Messages of many chunks (4 KiB slots): all_reduce in bf16 and f32, reduce_scatter,
+    all_gather, all_to_all with uneven splits, results exact."""
+    n = 3 * 4096 + 7
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        x = torch.arange(n, dtype=torch.int64) % 13
+        t = (x + rank).to(dtype)
+        dist.all_reduce(t)
+        tb._eq(t, (x * ws + sum(range(ws))).to(dtype), f"all_reduce {dtype}")
+    blocks = torch.arange(ws * n, dtype=torch.float32) % 7 + rank
+    out = torch.empty(n)
+    dist.reduce_scatter_tensor(out, blocks)
+    want = (torch.arange(ws * n, dtype=torch.float32) % 7)[rank * n:(rank + 1) * n] * ws \
+        + sum(range(ws))
+    tb._eq(out, want, "reduce_scatter_tensor")
+    gathered = torch.empty(ws * n, dtype=torch.int16)
+    dist.all_gather_into_tensor(gathered, torch.full((n,), rank, dtype=torch.int16))
+    tb._eq(gathered, torch.arange(ws, dtype=torch.int16).repeat_interleave(n), "all_gather")
+    sends = [1000 * (rank + 1) + 37 * j for j in range(ws)]
+    recvs = [1000 * (j + 1) + 37 * rank for j in range(ws)]
+    inp = torch.cat([torch.full((s,), float(rank * 10 + j)) for j, s in enumerate(sends)])
+    out = torch.empty(sum(recvs))
+    dist.all_to_all_single(out, inp, recvs, sends)
+    want = torch.cat([torch.full((r,), float(j * 10 + rank)) for j, r in enumerate(recvs)])
+    tb._eq(out, want, "all_to_all_single uneven")
+    return True
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("tier", ["same_gpu", "p2p", "host"])
+def test_chunked_collectives_in_every_tier(tier):
+    """The same results whichever tier the ranks agree on; the tier is the expected one."""
+    env = _sim_env(SHMCOLL_CUDA_SLOT_BYTES=4096, SHMCOLL_CUDA_HOST_SLOT_BYTES=8192)
+    if tier == "host":
+        env["SHMCOLL_CUDA_SIM_P2P"] = "0"
+    assert harness.run_ranks(_tiered, 3, "processes", JOB_TIMEOUT_S, args=(tier,),
+                             env=env) == [tier] * 3
+
+
+def _tiered(rank, ws, store, tier):
+    import shmcoll  # noqa: F401  (registers "shm")
+    if tier != "same_gpu":  # one simulated device per rank (read when the group is built)
+        os.environ["SHMCOLL_CUDA_SIM_DEVICE"] = str(rank)
+    try:
+        dist.init_process_group("shm", init_method=f"file://{store.path}/rdv", rank=rank,
+                                world_size=ws)
+        try:
+            _large(rank, ws)
+            return dist.group.WORLD._device.dg.tier
+        finally:
+            dist.destroy_process_group()
+    finally:
+        os.environ.pop("SHMCOLL_CUDA_SIM_DEVICE", None)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_mismatched_device_and_host_calls_raise_on_every_rank():
+    """Rank 0 all_reduces a device tensor where rank 1 all_reduces a host one: a
+    CollectiveMismatchError on both naming both calls, and the group stays usable."""
+    out = harness.run_ranks(_mismatch, 2, "processes", JOB_TIMEOUT_S)
+    dev, host = "device all_reduce(float32, count=4, op=SUM)", "all_reduce(float32, count=4, op=SUM)"
+    assert out[0].endswith(f"rank 0 called {dev} but rank 1 called {host}"), out[0]
+    assert out[1].endswith(f"rank 1 called {host} but rank 0 called {dev}"), out[1]
+
+
+def _mismatch(rank, ws, store):
+    from shmcoll.errors import CollectiveMismatchError
+    import cuda_ipc
+    from cuda_ipc.group import DeviceGroup
+    from cuda_ipc.rendezvous import ProcessRendezvous
+    group = harness.new_group(store, rank, ws)
+    cfg = config.from_env({"SHMCOLL_CUDA_SIM": "inline"})
+    dev = cuda_ipc.get_device(torch.device("cpu"), cfg)
+    dg = DeviceGroup(group, dev, lambda: ProcessRendezvous(
+        store, rank, ws, group._arena._pids, 30.0), cfg)
+    try:
+        t = torch.ones(4)
+        dg.all_reduce(t, "float32", ReduceOp.SUM)  # the arena is built by both ranks
+        try:
+            if rank == 0:
+                dg.all_reduce(t, "float32", ReduceOp.SUM)
+            else:
+                group.all_reduce(np.ones(4, np.float32))
+        except CollectiveMismatchError as e:
+            msg = str(e)
+        else:
+            raise AssertionError("no mismatch raised")
+        t = torch.full((4,), float(rank))
+        dg.all_reduce(t, "float32", ReduceOp.SUM)  # still usable
+        assert torch.equal(t, torch.full((4,), 1.0)), t
+        return msg
+    finally:
+        group.close()
