@@ -7,21 +7,28 @@ the same on every rank (chunk counts derive from fingerprint-checked arguments),
 g uses slot g % nslots.
 
 Layout of rank r's host region (a shm.ShmRegions segment of layout RegionLayout(slot,
-nslots)): the header as everywhere, then the control block, whose lines here hold 32-bit
-flag words written by rank r's *stream* (device.write_value) and read by the peers'
-streams and hosts:
+nslots)): the header as everywhere, then the control block, whose 8-byte words here hold
+32-bit flags (device.write_value / wait_value):
 
-    line 0  READY   g once my copy-in of chunk g reached my slot (and everything before)
-    line 1  DONE    g once my reads of every rank's slot for chunk g are complete
-    line 2  CLOSED  1 once I closed my mappings of the peers' memory (host-written)
-    data    nslots host slots (host tier only; 64-byte stubs otherwise)
+    word 0              MINE       g once my stream finished chunk g (written by my stream,
+                                   read by my host: watchdog, Work.is_completed)
+    word 16             CLOSED     1 once I closed my mappings of the peers' memory (host)
+    word 32 + p         READY[p]   g once rank p's chunk g is in p's slot (written by p's
+                                   stream into my region; waited on by my stream)
+    word 32 + W + p     DONE[p]    g once rank p finished reading every slot for chunk g
+    data                nslots host slots (host tier only; 64-byte stubs otherwise)
 
 Rules, per chunk g (every rank, every chunk, in order, all on the caller's stream):
-1. claim: before writing my slot for chunk g, wait until every peer's DONE >= g - nslots
-   (they finished reading that slot's previous contents). Skipped for the first nslots.
-2. write my slot, then publish: READY := g.
-3. collect: wait until every peer's READY >= g; only then read their slots.
-4. after the last read of chunk g: release: DONE := g.
+1. claim: before writing my slot for chunk g, wait until my DONE[p] >= g - nslots for every
+   peer p (they finished reading that slot's previous contents). Skipped for the first
+   nslots chunks.
+2. write my slot, then publish: READY[me] := g in every peer's region.
+3. collect: wait until my READY[p] >= g for every peer p; only then read their slots.
+4. after the last read of chunk g: release: DONE[me] := g in every peer's region, and
+   MINE := g in mine.
+A rank's stream waits only on words of its own region, and only its own host ever stores
+into them besides the peers' streams: after a failure the watchdog stores release values
+there (never into another rank's memory), so a stalled stream can always be let go.
 Every rank publishes and releases every chunk, also when it has nothing to write or read
 (a broadcast's non-roots), so the words move in lock step and waits stay `>=` on counters
 that only grow (cyclically, see device.py). No wait is ever satisfied by a value from a
@@ -45,17 +52,19 @@ import time
 import numpy as np
 
 from shmcoll.errors import CollectiveTimeoutError, GroupAbortedError, PeerLostError
-from shmcoll.protocol import LINE_NBYTES, STATE_ABORTED, STATE_CLOSED, RegionLayout
+from shmcoll.protocol import CTRL_LINES, LINE_NBYTES, STATE_ABORTED, STATE_CLOSED, \
+    RegionLayout
 
 from . import tiers
 from .device import DeviceError, at_or_past, read_word, word_add, write_word
 from .watchdog import Watchdog
 
-__all__ = ["DeviceArena", "READY_LINE", "DONE_LINE", "CLOSED_LINE"]
+__all__ = ["DeviceArena", "MAX_WORLD_SIZE"]
 
 log = logging.getLogger("shmcoll.cuda_ipc")
 
-READY_LINE, DONE_LINE, CLOSED_LINE = 0, 1, 2
+_W_MINE, _W_CLOSED, _W_INBOX = 0, 16, 32  # word indices in the control block (see above)
+MAX_WORLD_SIZE = (CTRL_LINES * LINE_NBYTES // 8 - _W_INBOX) // 2  # READY and DONE per peer
 PROBE_NBYTES = 32  # token (16 B) + rank (8 B) + pad, written at the start of slot 0
 _STUB_SLOT_NBYTES = 64  # host regions of the IPC tiers carry flags only
 
@@ -83,6 +92,7 @@ class DeviceArena:
         self._regions = None
         self._registered = []
         self._closed = False
+        self._released = False
         self.issued = 0  # chunks issued so far (unbounded); chunk id g = issued & WORD_MASK
         self.watchdog = None
         try:
@@ -95,6 +105,9 @@ class DeviceArena:
 
     def _setup(self, slot_nbytes, host_slot_nbytes, forced):
         rv, dev = self._rv, self.dev
+        if self.world_size > MAX_WORLD_SIZE:
+            raise DeviceError(f"cuda_ipc: device groups have at most {MAX_WORLD_SIZE} ranks "
+                              f"(this one has {self.world_size})")
         infos = [tiers.DeviceInfo.parse(s) for s in rv.all_gather(
             "device", tiers.DeviceInfo.of(dev).render())]
         want_ipc = tiers.wants_ipc(infos, self.rank, dev, forced)
@@ -169,16 +182,23 @@ class DeviceArena:
             view = region[:span]
             bases.append(self.dev.register_host(view))
             self._registered.append(view)
-        ctrl = layout.ctrl_offset
+        ctrl, world, me = layout.ctrl_offset, self.world_size, self.rank
 
-        def words(line):
-            host = [region.ctypes.data + ctrl + line * LINE_NBYTES for region in regions]
-            devs = [base + ctrl + line * LINE_NBYTES for base in bases]
-            return host, devs
+        def host(r, word):
+            return regions[r].ctypes.data + ctrl + word * 8
 
-        (self._ready, self._ready_dev) = words(READY_LINE)
-        (self._done, self._done_dev) = words(DONE_LINE)
-        (self._closed_words, _) = words(CLOSED_LINE)
+        def dev(r, word):
+            return bases[r] + ctrl + word * 8
+        self._mine, self._mine_dev = host(me, _W_MINE), dev(me, _W_MINE)
+        self._closed_words = [host(r, _W_CLOSED) for r in range(world)]
+        # my inbox (host addresses, for the watchdog; device addresses, for my waits)
+        self._ready = [host(me, _W_INBOX + p) for p in range(world)]
+        self._done = [host(me, _W_INBOX + world + p) for p in range(world)]
+        self._ready_dev = [dev(me, _W_INBOX + p) for p in range(world)]
+        self._done_dev = [dev(me, _W_INBOX + world + p) for p in range(world)]
+        # my words in the peers' inboxes (device addresses, for my stream's writes)
+        self._ready_out = [dev(p, _W_INBOX + me) for p in self._peers()]
+        self._done_out = [dev(p, _W_INBOX + world + me) for p in self._peers()]
         if self.tier == tiers.HOST:
             self._slot_bufs = [self.dev.host_tensor(view, base)[layout.data_offset:]
                                for view, base in zip(self._registered, bases)]
@@ -207,7 +227,9 @@ class DeviceArena:
                                     self._guard(p, self._done[p], prev))
 
     def publish(self, stream, g):
-        self.dev.write_value(stream, self._ready_dev[self.rank], g)
+        """Rule 2: READY[me] := g in every peer's inbox."""
+        for addr in self._ready_out:
+            self.dev.write_value(stream, addr, g)
 
     def collect(self, stream, g):
         """Rule 3: my stream waits until every peer's chunk g is in its slot."""
@@ -215,11 +237,14 @@ class DeviceArena:
             self.dev.wait_value(stream, self._ready_dev[p], g, self._guard(p, self._ready[p], g))
 
     def release(self, stream, g):
-        self.dev.write_value(stream, self._done_dev[self.rank], g)
+        """Rule 4: DONE[me] := g in every peer's inbox, then MINE := g."""
+        for addr in self._done_out:
+            self.dev.write_value(stream, addr, g)
+        self.dev.write_value(stream, self._mine_dev, g)
 
     def stream_wait_done(self, stream, g):
         """Make `stream` (another stream of this rank) wait until mine finished chunk g."""
-        self.dev.wait_value(stream, self._done_dev[self.rank], g, None)
+        self.dev.wait_value(stream, self._mine_dev, g, None)
 
     def part_nbytes(self):
         """Bytes of one of world_size equal parts of a slot (16-byte aligned, so a part
@@ -233,10 +258,12 @@ class DeviceArena:
 
     def done(self):
         """The last chunk my stream finished (host read of my DONE word)."""
-        return read_word(self._done[self.rank])
+        return read_word(self._mine)
 
     def is_done(self, g):
-        return at_or_past(self.done(), g)
+        """Whether my stream finished chunk g (True once the arena is closed: close drains
+        the stream or fails the group first)."""
+        return self._released or at_or_past(self.done(), g)
 
     def short_peers(self, g):
         """Peers whose words hold my stream at chunk g (READY < g, or DONE < g - nslots)."""
@@ -283,7 +310,7 @@ class DeviceArena:
         return guard
 
     def release_all(self, ready_target, done_target):
-        """Store release values into the peers' words my stream may wait on (after a
+        """Store release values into my inbox words, which my stream may wait on (after a
         failure): its waits pass, it drains, and the device stays usable."""
         for p in self._peers():
             write_word(self._ready[p], ready_target)
@@ -308,7 +335,11 @@ class DeviceArena:
         first = None
         deadline = time.monotonic() + timeout_s
         if self.watchdog is not None:
-            first = self.watchdog.stop(deadline)
+            exited, first = self.watchdog.stop(deadline)
+            if not exited:  # it still reads the flag words: leave every mapping in place
+                log.error("cuda_ipc group %r rank %d: the watchdog did not stop; its memory "
+                          "stays mapped until the process exits", self.group.name, self.rank)
+                return
         for m in self._mappings:
             if m is not None:
                 try:
@@ -341,6 +372,12 @@ class DeviceArena:
             except Exception as e:
                 first = first or e
             self._regions = None
+        # Break the reference cycles (watchdog <-> arena <-> group) now, so the host
+        # regions are unmapped at once rather than whenever the cyclic GC runs.
+        if self.watchdog is not None:
+            self.watchdog.detach()
+        self._host = None
+        self._released = True  # the words are unmapped: is_done must not read them
         if first is not None and not isinstance(first, (PeerLostError, GroupAbortedError,
                                                         CollectiveTimeoutError)):
             raise first

@@ -189,7 +189,10 @@ class SimDevice:
         stream.enqueue(write_word, addr, value)
 
     def wait_value(self, stream, addr, value, guard=None):
-        stream.enqueue(stream.spin_until, addr, value, guard)
+        """`guard` bounds an inline wait (it runs on the caller's thread); an asynchronous
+        stream waits like a GPU's, until the flag moves or the watchdog releases it."""
+        stream.enqueue(stream.spin_until, addr, value,
+                       None if stream.asynchronous else guard)
 
     def synchronize(self, stream, timeout_s=60.0):
         stream.synchronize(timeout_s)

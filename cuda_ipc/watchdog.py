@@ -24,7 +24,7 @@ import time
 
 from shmcoll.errors import CollectiveTimeoutError, GroupAbortedError
 
-from .device import word_add
+from .device import at_or_past, word_add
 
 __all__ = ["Watchdog", "CHECK_AFTER_S"]
 
@@ -32,6 +32,7 @@ POLL_MIN_S = 50e-6
 POLL_MAX_S = 1e-3
 CHECK_AFTER_S = 5e-3  # below this a wait is normal progress: no liveness syscalls yet
 RELEASE_EVERY_S = 1e-3
+EXIT_JOIN_S = 5.0
 
 
 class _Entry:
@@ -53,7 +54,8 @@ class Watchdog:
         self._entries = collections.deque()
         self._cv = threading.Condition()
         self._thread = None
-        self._stopping = False
+        self._stopping = False  # close(): finish outstanding work, then exit
+        self._exit = False  # the thread must return now (set last by stop())
         self.error = None
         self._last_g = None  # last chunk any watched collective enqueued
 
@@ -78,9 +80,10 @@ class Watchdog:
         sleep_s = POLL_MIN_S
         while True:
             with self._cv:
-                while not self._entries and not self._stopping and self.error is None:
+                while not self._entries and not self._stopping and self.error is None \
+                        and not self._exit:
                     self._cv.wait()
-                if self._stopping and not self._entries:
+                if self._exit or (self._stopping and not self._entries):
                     return
             if self.error is not None:
                 self._release_until_drained()
@@ -115,7 +118,10 @@ class Watchdog:
         if now - head.since < CHECK_AFTER_S and not self._stopping:
             return None
         arena = self._arena
-        stuck = word_add(arena.done(), 1)  # the chunk my stream works on
+        done = arena.done()
+        if at_or_past(done, head.g_last):
+            return None  # finished since _retire looked: nothing is stuck
+        stuck = word_add(done, 1)  # the chunk my stream works on
         entry = self._entry_of(stuck) or head
         short = arena.short_peers(stuck)
         err = arena.peer_failure(short, entry.name, entry.seq)
@@ -152,7 +158,7 @@ class Watchdog:
 
     def _release_until_drained(self, deadline=None):
         arena = self._arena
-        while True:
+        while not self._exit:
             with self._cv:
                 last = self._last_g
             if last is None or arena.is_done(last):
@@ -164,6 +170,7 @@ class Watchdog:
                 return False
             arena.release_all(last, word_add(last, -arena.nslots))
             time.sleep(RELEASE_EVERY_S)
+        return False
 
     def abort(self, err):
         """Fail with `err` (from any thread, without blocking): the watchdog's thread then
@@ -174,9 +181,14 @@ class Watchdog:
             if self._entries and self._thread is not None:
                 self._cv.notify_all()
 
+    def detach(self):
+        """After stop(): forget the arena (no reference cycle keeps its memory mapped)."""
+        self._arena = None
+
     def stop(self, deadline):
         """At close: wait for outstanding work (until `deadline`), releasing the stream if it
-        does not drain; return the watchdog's error (or None)."""
+        does not drain. Returns (exited, error): when `exited` the thread is gone and the
+        arena may unmap the words it reads; `error`: the watchdog's error or None."""
         with self._cv:
             self._stopping = True
             self._cv.notify_all()
@@ -189,6 +201,11 @@ class Watchdog:
                     f"cuda_ipc group {self._arena.group.name!r} rank {self._arena.rank}: closed "
                     f"while its stream still had collectives to finish"))
             self._release_until_drained(deadline + 1.0)
+        with self._cv:
+            self._exit = True
+            self._cv.notify_all()
         if thread is not None:
-            thread.join(max(0.1, deadline - time.monotonic()))
-        return self.error
+            thread.join(EXIT_JOIN_S)  # every loop of the thread checks _exit within ~1 ms
+            if thread.is_alive():
+                return False, self.error
+        return True, self.error

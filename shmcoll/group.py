@@ -109,6 +109,7 @@ class Group:
         self._single_copy_always = single_copy_always
         self.small_pages = small_pages  # ranks' buffers likely on 4 KiB pages (pages.py)
         self._closers = list(closers)
+        self._device_closers = []  # cuda_ipc (attach_device): closed before everything else
         self._aborter = aborter
         self._seq = 0
         self._poison = None
@@ -215,9 +216,10 @@ class Group:
             self._arena.abort_at(seq)  # peers waiting for us (at seq or later) fail fast
 
     def attach_device(self, closer, aborter):
-        """cuda_ipc's device arena: closed before everything else (it needs peer liveness),
-        aborted with the group."""
-        self._closers.insert(0, closer)
+        """cuda_ipc's device arena: closed first, before peers learn that this rank closed
+        (it needs peer liveness and the peers' streams may still read its slots), aborted
+        with the group."""
+        self._device_closers.insert(0, closer)
         previous = self._aborter
 
         def abort_both():
@@ -621,6 +623,14 @@ class Group:
             return
         self._closed = True
         first = None
+        # NOTE: order matters: the device arena drains and closes while this rank still
+        # counts as live for its peers (a CLOSED state would fail their streams' waits).
+        for closer in self._device_closers:
+            try:
+                closer()
+            except Exception as e:
+                first = first or e
+        self._device_closers = []
         if self._arena is not None:
             try:
                 # A poisoned group stays ABORTED for the peers (a late peer must fail, not
@@ -635,6 +645,7 @@ class Group:
             except Exception as e:
                 first = first or e
         self._closers = []
+        self._aborter = None  # may hold objects that hold this group (a cycle)
         if first is not None:
             raise first
 

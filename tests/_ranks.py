@@ -17,6 +17,7 @@ Also here: `shm_entries(pids)` (the /dev/shm snapshot the leak tests compare) an
 fuzz reference model (`make_input`, `reference`) that the fuzz workers check against.
 """
 
+import importlib
 import json
 import os
 import signal
@@ -1142,11 +1143,14 @@ def run_fuzz_op(g, op, members):
 
 def main():
     spec = json.loads(sys.argv[1])
-    if not spec["torch"]:
+    module, _, name = spec["scenario"].rpartition(".")
+    if not spec["torch"] and not module:
         sys.modules["torch"] = None  # engine level: shmcoll imports without the torch adapter
     c = Child(spec)
     try:
-        globals()["scenario_" + spec["scenario"]](c)
+        # "module.name": a scenario of another module in tests/ (cuda_ipc's use torch)
+        scenarios = importlib.import_module(module).__dict__ if module else globals()
+        scenarios["scenario_" + name](c)
     except SystemExit:
         raise
     except BaseException as e:

@@ -1,0 +1,73 @@
+"""Rank-process scenarios for cuda_ipc's fault tests (run by tests/_ranks.py as
+"_cuda_scenarios.<name>"): engine-level device groups on the simulated device with
+asynchronous streams (cuda_sim_util.device_group)."""
+
+import time
+
+import torch
+
+from cuda_sim_util import device_group
+from shmcoll.ops import ReduceOp
+
+
+def _setup(c, timeout_s=30.0):
+    group, dg, dev = device_group(c.store(), c.rank, c.world_size, timeout_s=timeout_s)
+    stream = dev.current_stream()
+    t = torch.ones(1000)
+    dg.all_reduce(t, "float32", ReduceOp.SUM)  # builds the device arena on every rank
+    dev.synchronize(stream, 30)
+    assert float(t[0]) == c.world_size
+    return group, dg, dev, stream
+
+
+def _watchdog_error(dg, within_s):
+    deadline = time.monotonic() + within_s
+    while dg.arena.watchdog.error is None and time.monotonic() < deadline:
+        time.sleep(1e-3)
+    return dg.arena.watchdog.error
+
+
+def _drained(c, dev, stream):
+    try:
+        dev.synchronize(stream, 10)
+        c.emit("drained", ok=True)
+    except Exception as e:
+        c.emit("drained", ok=False, **c.err(e))
+
+
+def scenario_lost_peer(c):
+    """Rank 1's stream is busy for 30 s when both enqueue an all_reduce; the parent then
+    SIGKILLs rank 1. Rank 0 reports its watchdog's error, whether its stream drained, and
+    what the next call raises."""
+    group, dg, dev, stream = _setup(c)
+    if c.rank == 1:
+        dev.run(stream, time.sleep, 30)
+    dg.all_reduce(torch.ones(1000), "float32", ReduceOp.SUM)
+    c.emit("enqueued")
+    if c.rank == 1:
+        c.wait_cmd()  # killed here
+        return
+    err = _watchdog_error(dg, 60)
+    c.emit("error", **c.err(err))
+    _drained(c, dev, stream)
+    try:
+        dg.all_reduce(torch.ones(10), "float32", ReduceOp.SUM)
+        c.emit("again", type=None)
+    except Exception as e:
+        c.emit("again", **c.err(e))
+    group.close()
+
+
+def scenario_stalled_peer(c):
+    """Rank 1's stream is busy for 5 s (alive, not dead) when both enqueue an all_reduce
+    with a 1 s timeout: rank 0 times out naming rank 1; rank 1 fails too."""
+    group, dg, dev, stream = _setup(c)
+    if c.rank == 1:
+        dev.run(stream, time.sleep, 5)
+    t0 = time.monotonic()
+    dg.all_reduce(torch.ones(1000), "float32", ReduceOp.SUM, timeout_s=1.0)
+    c.emit("enqueued")
+    err = _watchdog_error(dg, 60)
+    c.emit("error", elapsed=time.monotonic() - t0, **c.err(err))
+    _drained(c, dev, stream)
+    group.close()

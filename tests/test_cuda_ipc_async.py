@@ -1,0 +1,153 @@
+"""cuda_ipc's protocol with asynchronous streams (simulated device): ordering, faults, leaks.
+
+The simulated streams run their operations on worker threads, after random delays, while
+the host enqueues the next collectives: what the host does not order (slot reuse, a
+peer's data arriving) only the flag words order, as on a GPU. A missing wait shows up as
+wrong data here (checked by mutation: dropping the claim wait of arena rule 1, or the
+collect wait of rule 3, fails test_random_programs_are_exact_under_stream_delays).
+Faults run real rank processes (tests/_ranks.py, scenarios in _cuda_scenarios.py): a
+SIGKILLed or stalled peer must fail the survivor within the bound and leave its stream
+drained (no operation left waiting on a flag that will never move).
+"""
+
+import signal
+import time
+
+import pytest
+
+import harness
+from _ranks import Job, shm_entries, new_foreign_entries
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
+
+JOB_TIMEOUT_S = 240
+DETECT_S = 2.0  # issue 14: PeerLostError on every survivor within 2 s
+
+
+def _random_programs(rank, ws, store, seed, length, delay_s, tier):
+    from cuda_sim_util import check, device_group, random_program, run_program
+    group, dg, dev = device_group(store, rank, ws, delay_s=delay_s, seed=seed,
+                                  sim_device=rank if tier != "same_gpu" else 0,
+                                  peer_access=tier != "host")
+    try:
+        prog = random_program(seed, length, ws, max_count=3 * 4096 // 8)
+        results = run_program(dg, prog, seed, rank, ws)
+        ahead = not dev.stream_idle(dev.current_stream())  # the host ran ahead of its stream
+        dev.synchronize(dev.current_stream(), 120)
+        return check(results, prog), ahead, dg.tier
+    finally:
+        group.close()
+
+
+@pytest.mark.parametrize("ws,tier", [(2, "same_gpu"), (3, "same_gpu"), (3, "p2p"),
+                                     (2, "host")])
+def test_random_programs_are_exact_under_stream_delays(ws, tier, seed):
+    """80 random collectives (every kind, three dtypes, counts from 0 to 3 slots, uneven
+    all_to_all) enqueued back to back through 4 KiB slots while every stream sleeps up to
+    0.3 ms before each operation: every result exact, on every rank, in every tier."""
+    out = harness.run_ranks(_random_programs, ws, "processes", JOB_TIMEOUT_S,
+                            args=(seed, 80, 3e-4, tier))
+    for rank, (bad, ahead, got_tier) in enumerate(out):
+        assert bad == [], f"rank {rank}: wrong results at {bad}"
+        assert got_tier == tier, (rank, got_tier)
+    assert any(ahead for _, ahead, _ in out), "the streams never lagged: the test ordered nothing"
+
+
+def _interleaved(rank, ws, store):
+    """Host and device collectives alternate on one group; every result exact."""
+    import numpy as np
+    import torch
+    from cuda_sim_util import device_group
+    from shmcoll.ops import ReduceOp
+    group, dg, dev = device_group(store, rank, ws, delay_s=2e-4)
+    try:
+        dev_out, host_out = [], []
+        for i in range(30):
+            t = torch.full((1000,), float(rank + i))
+            dg.all_reduce(t, "float32", ReduceOp.SUM)
+            dev_out.append((t, float(sum(r + i for r in range(ws)))))
+            a = np.full(10, rank * i, np.int64)
+            group.all_reduce(a)
+            host_out.append((a, sum(r * i for r in range(ws))))
+        dev.synchronize(dev.current_stream(), 60)
+        assert all(bool((t == v).all()) for t, v in dev_out)
+        assert all(bool((a == v).all()) for a, v in host_out)
+        return group.seq
+    finally:
+        group.close()
+
+
+def test_host_and_device_collectives_share_one_sequence():
+    assert harness.run_ranks(_interleaved, 2, "processes", JOB_TIMEOUT_S) == [61, 61]
+
+
+def _shm_mappings():
+    with open("/proc/self/maps") as f:
+        return sum("shmcoll" in line for line in f)
+
+
+def _cycles(rank, ws, store, n):
+    import os
+
+    import torch
+    from cuda_sim_util import device_group
+    from shmcoll.ops import ReduceOp
+    before = _shm_mappings()
+    for i in range(n):
+        sub = type(store)(os.path.join(store.path, f"c{i}"))
+        group, dg, dev = device_group(sub, rank, ws)
+        t = torch.ones(5000)
+        dg.all_reduce(t, "float32", ReduceOp.SUM)
+        group.close()  # drains the stream first
+        assert float(t[0]) == ws
+    return _shm_mappings() - before  # at once, not whenever the cyclic GC runs
+
+
+def test_init_destroy_cycles_leak_nothing():
+    """100 group + device arena lifetimes: no segment left in /dev/shm (conftest checks),
+    no mapping left in the process, no named simulated-device memory left behind."""
+    before = shm_entries()
+    out = harness.run_ranks(_cycles, 2, "processes", JOB_TIMEOUT_S, args=(100,))
+    assert out == [0, 0], f"mappings of shmcoll segments left: {out}"
+    assert not new_foreign_entries(before), "segments left in /dev/shm"
+
+
+# ---------------------------------------------------------------------------- faults
+
+def test_killed_peer_fails_the_survivor_fast_and_its_stream_drains(tmp_path):
+    """Rank 1 enqueues an all_reduce behind 30 s of work on its stream, then is SIGKILLed:
+    its READY flag never moves. Rank 0's host returned long ago; its watchdog must raise
+    PeerLostError naming rank 1 within 2 s, release rank 0's stream (it drains, the device
+    stays usable) and poison the group (the next call raises at once)."""
+    before = shm_entries()
+    with Job("_cuda_scenarios.lost_peer", 2, tmp_path, timeout_s=60) as job:
+        job.all_ranks("enqueued")
+        time.sleep(0.3)
+        t0 = job.signal(1, signal.SIGKILL)
+        ev = job.event(0, "error", timeout_s=30)
+        assert ev["type"] == "PeerLostError" and ev["peer"] == 1, ev
+        assert "rank 1" in ev["msg"] and "exited" in ev["msg"], ev
+        assert ev["t"] - t0 < DETECT_S, (ev["t"] - t0, ev)
+        drained = job.event(0, "drained", timeout_s=30)
+        assert drained["ok"], drained
+        again = job.event(0, "again", timeout_s=30)
+        assert again["type"] == "PeerLostError", again
+        assert job.join(60)[0] == 0
+    assert not new_foreign_entries(before)
+
+
+def test_stalled_peer_times_out_naming_it(tmp_path):
+    """Rank 1 is alive but its stream is blocked (20 s of earlier work): rank 0's device
+    all_reduce (timeout 1 s) fails with CollectiveTimeoutError naming rank 1 and the seq,
+    its stream drains, and rank 1 later fails too (the group was aborted)."""
+    with Job("_cuda_scenarios.stalled_peer", 2, tmp_path, timeout_s=60) as job:
+        job.all_ranks("enqueued")
+        ev = job.event(0, "error", timeout_s=30)
+        assert ev["type"] == "CollectiveTimeoutError", ev
+        assert "ranks [1]" in ev["msg"] and "seq" in ev["msg"] and "(cuda" in ev["msg"], ev
+        assert 0.9 < ev["elapsed"] < 5.0, ev
+        assert job.event(0, "drained", timeout_s=30)["ok"]
+        ev1 = job.event(1, "error", timeout_s=60)
+        # its own stream reached the collective 4 s late (its earlier work): a timeout too
+        assert ev1["type"] in ("CollectiveTimeoutError", "GroupAbortedError"), ev1
+        assert job.join(60) == {0: 0, 1: 0}
