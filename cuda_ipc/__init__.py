@@ -55,18 +55,11 @@ def get_device(tensor_device, cfg):
 
 
 def device_path(pg, tensor_device, cfg):
-    """The DevicePath of EngineProcessGroup `pg` for tensors on `tensor_device`."""
+    """The DevicePath of EngineProcessGroup `pg` for tensors on `tensor_device`; the
+    arena's control plane comes from `pg._device_rendezvous()` when it is first needed
+    (rank processes: rendezvous.ProcessRendezvous; rank threads: ThreadRendezvous)."""
     from .group import DeviceGroup
-    from .rendezvous import ProcessRendezvous
     from .torch_path import DevicePath
 
     dev = get_device(tensor_device, cfg)
-    group = pg.group
-
-    def rendezvous():
-        if pg._store is None:
-            raise DeviceError("cuda_ipc: this process group was built without a store, so its "
-                              "ranks cannot exchange device handles")
-        return ProcessRendezvous(pg._store, group.rank, group.world_size,
-                                 group._arena._pids, group.timeout_s, cfg.shm_dir)
-    return DevicePath(pg, DeviceGroup(group, dev, rendezvous, cfg))
+    return DevicePath(pg, DeviceGroup(pg.group, dev, pg._device_rendezvous, cfg))

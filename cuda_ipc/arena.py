@@ -56,7 +56,7 @@ from shmcoll.protocol import CTRL_LINES, LINE_NBYTES, STATE_ABORTED, STATE_CLOSE
     RegionLayout
 
 from . import tiers
-from .device import DeviceError, at_or_past, read_word, word_add, write_word
+from .device import DeviceError, Mapping, at_or_past, read_word, word_add, write_word
 from .watchdog import Watchdog
 
 __all__ = ["DeviceArena", "MAX_WORLD_SIZE"]
@@ -67,6 +67,7 @@ _W_MINE, _W_CLOSED, _W_INBOX = 0, 16, 32  # word indices in the control block (s
 MAX_WORLD_SIZE = (CTRL_LINES * LINE_NBYTES // 8 - _W_INBOX) // 2  # READY and DONE per peer
 PROBE_NBYTES = 32  # token (16 B) + rank (8 B) + pad, written at the start of slot 0
 _STUB_SLOT_NBYTES = 64  # host regions of the IPC tiers carry flags only
+_SHARED = "shared"  # Mapping.owner of a peer thread's allocation (nothing to close)
 
 
 class DeviceArena:
@@ -111,19 +112,28 @@ class DeviceArena:
         infos = [tiers.DeviceInfo.parse(s) for s in rv.all_gather(
             "device", tiers.DeviceInfo.of(dev).render())]
         want_ipc = tiers.wants_ipc(infos, self.rank, dev, forced)
-        token = secrets.token_hex(16)
-        handle = ""
-        if want_ipc:
-            self._alloc = dev.alloc(self.nslots * slot_nbytes)
-            self._write_probe(token)
-            handle = f"{token}:{dev.export(self._alloc).hex()}"
-        handles = rv.all_gather("handle", handle)
-        ok = want_ipc and all(handles) and self._open_peers(handles, slot_nbytes)
+        if rv.in_process:  # rank threads: the peers' allocations themselves, no IPC
+            if want_ipc:
+                self._alloc = dev.alloc(self.nslots * slot_nbytes)
+            allocs = rv.share("slots", self._alloc)
+            ok = want_ipc and all(a is not None for a in allocs)
+            self._mappings = [None if p == self.rank or a is None else
+                              Mapping(a.ptr, a.nbytes, a.tensor, owner=_SHARED)
+                              for p, a in enumerate(allocs)]
+        else:
+            token = secrets.token_hex(16)
+            handle = ""
+            if want_ipc:
+                self._alloc = dev.alloc(self.nslots * slot_nbytes)
+                self._write_probe(token)
+                handle = f"{token}:{dev.export(self._alloc).hex()}"
+            handles = rv.all_gather("handle", handle)
+            ok = want_ipc and all(handles) and self._open_peers(handles, slot_nbytes)
         votes = rv.all_gather("probe", "1" if ok else "0")
         self.tier = tiers.choose(infos, [v == "1" for v in votes], forced)
         if self.tier == tiers.HOST:
             for m in self._mappings:
-                if m is not None:
+                if m is not None and m.owner is not _SHARED:
                     dev.close_mapping(m)
             self._mappings = []
             if self._alloc is not None:
@@ -341,7 +351,7 @@ class DeviceArena:
                           "stays mapped until the process exits", self.group.name, self.rank)
                 return
         for m in self._mappings:
-            if m is not None:
+            if m is not None and m.owner is not _SHARED:
                 try:
                     self.dev.close_mapping(m)
                 except Exception as e:

@@ -1,5 +1,10 @@
 """The control plane of a device arena: all-gathers of short strings and host regions.
 
+Rank threads of one process (threaded_pg) use ThreadRendezvous instead: the spawn's
+in-process store and object table, in-process host regions (threaded_pg.arena.ThreadRegions)
+and device memory shared by pointer, since CUDA IPC cannot be opened in the process that
+exported it.
+
 Ranks that are processes rendezvous through the process group's c10d store (the same
 store the shm segments were named through): every value lives under a per-rank
 generation prefix, so a group re-created on the same store never reads an old value, and
@@ -13,7 +18,7 @@ import time
 
 from shmcoll.shm import ShmRegions, _wait_key
 
-__all__ = ["ProcessRendezvous"]
+__all__ = ["ProcessRendezvous", "ThreadRendezvous"]
 
 
 class ProcessRendezvous:
@@ -50,3 +55,46 @@ class ProcessRendezvous:
         left = max(1.0, self._deadline - time.monotonic())
         return ShmRegions(self._store, self.rank, self.world_size, layout, left,
                           self._shm_dir, single_copy="off")
+
+
+class ThreadRendezvous:
+    """Rendezvous of the rank threads of one threaded_pg spawn (`rendezvous`): values and
+    objects through its in-process table, under a key the group's members agree on (the
+    group name and how often this rank built a device arena for it)."""
+
+    in_process = True
+
+    def __init__(self, rendezvous, group, global_rank):
+        self.rank = group.rank
+        self.world_size = group.world_size
+        self._rv = rendezvous
+        self._timeout_s = group.timeout_s
+        gen = rendezvous.add(f"cuda_ipc/gen/{group.name}/{global_rank}", 1)
+        self._base = f"cuda_ipc/{group.name}/{gen}"
+
+    def all_gather(self, what, text):
+        self._rv.set(f"{self._base}/{what}/{self.rank}", text)
+        return [self._rv.get(f"{self._base}/{what}/{p}", self._timeout_s).decode()
+                for p in range(self.world_size)]
+
+    def share(self, what, obj=None):
+        """Publish my `obj` for `what`, then every rank's (waits for the others)."""
+        self._rv.publish(f"{self._base}/{what}/{self.rank}", obj)
+        return [self._rv.lookup(f"{self._base}/{what}/{p}", self._timeout_s)
+                for p in range(self.world_size)]
+
+    def host_regions(self, layout):
+        from threaded_pg.arena import ThreadRegions  # (threaded_pg imports shmcoll, not us)
+        regions = self._rv.shared_object(f"{self._base}/regions",
+                                         lambda: ThreadRegions(layout, self.world_size))
+        return _InProcessRegions(regions.regions)
+
+
+class _InProcessRegions:
+    """ShmRegions' surface over in-process buffers: nothing to unmap (the GC frees them)."""
+
+    def __init__(self, regions):
+        self.regions = regions
+
+    def close(self):
+        self.regions = []

@@ -276,3 +276,60 @@ def _mismatch(rank, ws, store):
         return msg
     finally:
         group.close()
+
+
+def _threaded_job(rank, ws):
+    pg = dist.group.WORLD
+    _large(rank, ws)
+    tb._dist_sweep(rank, ws, [torch.float32, torch.bfloat16, torch.int64])
+    assert pg._device is not None and pg._device.dg.tier == "same_gpu"
+    return True
+
+
+@pytest.mark.timeout(300)
+def test_threaded_pg_ranks_share_device_memory_by_pointer(monkeypatch):
+    """threaded_pg rank threads take the device path too (one process: the peers'
+    allocations are used directly, no IPC handle is opened -- the simulated device refuses
+    to open a handle in the exporting process, as CUDA does)."""
+    import threaded_pg
+    monkeypatch.setenv("SHMCOLL_CUDA_SIM", "inline")
+    monkeypatch.setenv("SHMCOLL_CUDA_SLOT_BYTES", "4096")
+    assert threaded_pg.spawn(_threaded_job, 3, timeout=240) == [True] * 3
+
+
+def _ddp(rank, ws, steps):
+    """DDP (async gradient buckets, futures, broadcast at construction) on the device path:
+    every rank ends with the same parameters as one process training on the whole batch."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    reference = [p.detach().clone() for p in model.parameters()]
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.0005)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    data = torch.randn(steps, ws, 5, 8, generator=torch.Generator().manual_seed(1))
+    for s in range(steps):
+        opt.zero_grad()
+        ddp(data[s, rank]).square().mean().backward()
+        opt.step()
+    params = [p.detach().clone() for p in ddp.parameters()]
+    single = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    with torch.no_grad():
+        for p, r in zip(single.parameters(), reference):
+            p.copy_(r)
+    sopt = torch.optim.SGD(single.parameters(), lr=0.1)
+    for s in range(steps):
+        sopt.zero_grad()
+        single(data[s].reshape(-1, 8)).square().mean().backward()
+        sopt.step()
+    for p, q in zip(params, single.parameters()):
+        assert torch.allclose(p, q, atol=1e-6), (p - q).abs().max()
+    gathered = [None] * ws
+    dist.all_gather_object(gathered, [p.tolist() for p in params])
+    assert all(g == gathered[0] for g in gathered), "ranks differ"
+    return True
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_ddp_on_the_device_path():
+    assert all(harness.run_torch_ranks(_on_device_path, 2, "shm", JOB_TIMEOUT_S,
+                                       args=(_ddp, 5), env=_sim_env()))

@@ -76,6 +76,12 @@ class ThreadedProcessGroup(EngineProcessGroup):
     BACKEND_NAME = BACKEND
     executor_class = RankThreadExecutor
 
+    def _device_rendezvous(self):
+        """Rank threads share device memory by pointer (cuda_ipc.rendezvous.ThreadRendezvous)."""
+        from cuda_ipc.rendezvous import ThreadRendezvous
+        rendezvous, global_rank = _binding()
+        return ThreadRendezvous(rendezvous, self.group, global_rank)
+
     def split_group(self, ranks, timeout=None, opts=None, group_name=None, group_desc=None,
                     device_types=None):
         """As EngineProcessGroup.split_group, but the new group's ranks are threads too."""
@@ -136,10 +142,10 @@ def register():
     """Register ALIAS always and BACKEND while free (idempotent)."""
     if _owner(ALIAS) is not create_threaded_process_group:
         dist.Backend.register_backend(ALIAS, create_threaded_process_group, extended_api=True,
-                                      devices=["cpu"])
+                                      devices=["cpu", "cuda"])
     if _owner(BACKEND) is None:
         dist.Backend.register_backend(BACKEND, create_threaded_process_group, extended_api=True,
-                                      devices=["cpu"])
+                                      devices=["cpu", "cuda"])
 
 
 def backend_name():

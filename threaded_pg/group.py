@@ -75,6 +75,7 @@ class Rendezvous:
         self._lock = threading.Lock()
         self._kv_cv = threading.Condition(self._lock)
         self._kv = {}
+        self._objects = {}  # publish/lookup: objects shared by reference (cuda_ipc)
         self._instances = {}  # (name, generation) -> _Instance
         self._generations = {}  # (global_rank, name) -> joins so far
         self._records = []  # live GroupRecords, in creation order
@@ -149,6 +150,34 @@ class Rendezvous:
             self._kv[key] = str(value).encode()
             self._kv_cv.notify_all()
             return value
+
+    def publish(self, key, obj):
+        """Make `obj` (any object, shared by reference) the value of `key` (cuda_ipc)."""
+        with self._kv_cv:
+            self._objects[key] = obj
+            self._kv_cv.notify_all()
+
+    def lookup(self, key, timeout_s=None):
+        """The object published under `key`, waiting for it like get()."""
+        wait_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + wait_s
+        with self._kv_cv:
+            while key not in self._objects:
+                if self._aborted:
+                    raise GroupAbortedError(f"lookup {key!r}: the spawn was aborted")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise CollectiveTimeoutError(f"lookup {key!r}: Timed out waiting "
+                                                 f"{int(round(wait_s * 1000))}ms for the object")
+                self._kv_cv.wait(remaining)
+            return self._objects[key]
+
+    def shared_object(self, key, factory):
+        """The object under `key`, made by the first caller's factory()."""
+        with self._kv_cv:
+            if key not in self._objects:
+                self._objects[key] = factory()
+            return self._objects[key]
 
     # -- failure ---------------------------------------------------------------------------
 

@@ -58,8 +58,9 @@ def _warn_if_threads_oversubscribe(world_size):
 
 
 def register():
-    """Register backend "shm" with torch.distributed (idempotent)."""
+    """Register backend "shm" with torch.distributed (idempotent): CPU tensors through the
+    engine, CUDA tensors through cuda_ipc (imported when the first one arrives)."""
     if "SHM" in dist.Backend._plugins:
         return
     dist.Backend.register_backend("shm", create_shm_process_group, extended_api=True,
-                                  devices=["cpu"])
+                                  devices=["cpu", "cuda"])

@@ -25,17 +25,20 @@ class P2PWork(dist.Work):
     """torch Work over an engine p2p.Request; the future is completed by the progress thread
     (so `.then()` callbacks run there: keep them short and non-blocking)."""
 
-    def __init__(self, name, request, outputs, on_abort=None):
+    def __init__(self, name, request, outputs, on_abort=None, finish=None):
         super().__init__()
         self._name = name
         self._req = request
         self._outputs = outputs
         self._on_abort = on_abort
+        self._finish = finish  # a staged device receive: copy the host tensor in first
         self._error = None
         self._future = torch.futures.Future()
         request.add_done_callback(self._settle)
 
     def _settle(self, request):
+        if request.error is None and self._finish is not None:
+            self._finish()
         if request.error is not None:
             self._future.set_exception(self.exception())
         else:
@@ -98,31 +101,42 @@ class P2PMixin:
     """Point-to-point methods of EngineProcessGroup (uses self.group and self.size())."""
 
     def send(self, tensors, dstRank, tag=0):
-        array, tensors = self._p2p_args("send", tensors, dstRank, tag, "destination")
+        array, tensors, _ = self._p2p_args("send", tensors, dstRank, tag, "destination")
         return self._p2p_post("send", tensors, self.group.isend, array, dstRank, tag)
 
     def recv(self, tensors, srcRank, tag=0):
-        array, tensors = self._p2p_args("recv", tensors, srcRank, tag, "source")
-        return self._p2p_post("recv", tensors, self.group.irecv, array, srcRank, tag)
+        array, tensors, finish = self._p2p_args("recv", tensors, srcRank, tag, "source")
+        return self._p2p_post("recv", tensors, self.group.irecv, array, srcRank, tag, finish)
 
     def recv_anysource(self, tensors, tag=0):
-        array, tensors = self._p2p_args("recvAnysource", tensors, None, tag, "source")
-        return self._p2p_post("recvAnysource", tensors, self.group.irecv, array, None, tag)
+        array, tensors, finish = self._p2p_args("recvAnysource", tensors, None, tag, "source")
+        return self._p2p_post("recvAnysource", tensors, self.group.irecv, array, None, tag,
+                              finish)
 
     def _p2p_args(self, name, tensors, peer, tag, what):
+        """(numpy view to send or receive, the tensor list, finish callable or None)."""
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         if len(tensors) != 1:
             checks.fail(name, "takes a single tensor")
-        checks.dense_cpu(name, tensors)
+        checks.tensors(name, tensors)
+        checks.dense(name, tensors)
         if not isinstance(tag, int) or tag < 0:
             checks.fail(name, f"Tag must be nonnegative, got {tag}")
         if peer is not None and not 0 <= peer < self.size():
             checks.fail(name, f"invalid {what} rank: {peer} (group size {self.size()})")
-        return as_array(tensors[0], for_reduce=False)[0], tensors
+        t, finish = tensors[0], None
+        if t.is_cuda:  # staged through host memory (cuda_ipc/p2p.py)
+            from cuda_ipc.p2p import stage_recv, stage_send
+            if name == "send":
+                t = stage_send(t)
+            else:
+                t, finish = stage_recv(t)
+        checks.cpu(name, [t])
+        return as_array(t, for_reduce=False)[0], tensors, finish
 
-    def _p2p_post(self, name, tensors, start, array, peer, tag):
+    def _p2p_post(self, name, tensors, start, array, peer, tag, finish=None):
         try:
             request = start(array, peer, tag)
         except RuntimeError as e:  # poisoned, aborted or closed group
             raise torch_error(e) from None
-        return P2PWork(name, request, tensors, self.group.abort)
+        return P2PWork(name, request, tensors, self.group.abort, finish)

@@ -322,6 +322,16 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
             self._device = cuda_ipc.device_path(self, tensors[0].device, self._cfg)
         return self._device
 
+    def _device_rendezvous(self):
+        """The control plane of this group's device arena (rank processes: the store)."""
+        from cuda_ipc.rendezvous import ProcessRendezvous
+        group = self.group
+        if self._store is None:
+            raise RuntimeError(f"{self._backend_name}: this process group was built without "
+                               f"a store, so its ranks cannot exchange device handles")
+        return ProcessRendezvous(self._store, group.rank, group.world_size,
+                                 group._arena._pids, group.timeout_s, self._cfg.shm_dir)
+
     # -- reductions ----------------------------------------------------------------------
 
     def _prepare_reduce(self, name, tensors, op):
