@@ -59,15 +59,26 @@ def scenario_lost_peer(c):
 
 
 def scenario_stalled_peer(c):
-    """Rank 1's stream is busy for 5 s (alive, not dead) when both enqueue an all_reduce
-    with a 1 s timeout: rank 0 times out naming rank 1; rank 1 fails too."""
+    """Rank 1's stream is busy for 5 s (alive, not dead) when both enqueue an all_reduce,
+    rank 0 with a 1 s timeout, rank 1 with 30 s: rank 0 times out naming rank 1; rank 1's
+    collective completes once its stream gets there, and its next call fails because rank 0
+    aborted the group."""
     group, dg, dev, stream = _setup(c)
     if c.rank == 1:
         dev.run(stream, time.sleep, 5)
     t0 = time.monotonic()
-    dg.all_reduce(torch.ones(1000), "float32", ReduceOp.SUM, timeout_s=1.0)
+    dg.all_reduce(torch.ones(1000), "float32", ReduceOp.SUM,
+                  timeout_s=1.0 if c.rank == 0 else 30.0)
     c.emit("enqueued")
-    err = _watchdog_error(dg, 60)
-    c.emit("error", elapsed=time.monotonic() - t0, **c.err(err))
-    _drained(c, dev, stream)
+    if c.rank == 0:
+        err = _watchdog_error(dg, 60)
+        c.emit("error", elapsed=time.monotonic() - t0, **c.err(err))
+        _drained(c, dev, stream)
+    else:
+        _drained(c, dev, stream)
+        try:
+            dg.all_reduce(torch.ones(10), "float32", ReduceOp.SUM)
+            c.emit("error", type=None)
+        except Exception as e:
+            c.emit("error", **c.err(e))
     group.close()
