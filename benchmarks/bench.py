@@ -51,6 +51,7 @@ import traceback
 from pathlib import Path
 
 from benchmarks import collectives
+from benchmarks import device as device_mod
 
 DEFAULT_OPS = "all_reduce,broadcast,all_gather,reduce_scatter"
 COLUMNS = ("backend", "op", "world_size", "nbytes", "count", "dtype", "iters", "time_us",
@@ -210,6 +211,7 @@ def make_header(args) -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "git_commit": git_commit(),
+        **device_mod.header(args.device),
         "command": " ".join([os.path.basename(sys.executable), "-m", "benchmarks.bench"]
                             + sys.argv[1:]),
         "settings": {k: getattr(args, k) for k in (
@@ -417,6 +419,7 @@ def _worker(rank: int, cfg: dict) -> None:
     """Entry point of a spawned rank. Never returns normally after a fatal error."""
     rundir = Path(cfg["rundir"])
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.update(cfg.get("env", {}))  # --device: e.g. SHMCOLL_CUDA_SIM for "sim"
     events = open(rundir / "events.jsonl", "a") if rank == 0 else None
 
     def emit(**ev):
@@ -433,6 +436,7 @@ def _worker(rank: int, cfg: dict) -> None:
         warnings.filterwarnings("ignore", message="Device capability of")
         torch.set_num_threads(cfg["threads"])
         backend, n = cfg["backend"], cfg["world_size"]
+        cfg["torch_device"] = device_mod.prepare_rank(cfg.get("device", "cpu"), rank)
         # The DeepSpeed peer's ranks are gloo ranks whose timed call is DeepSpeed's own op.
         pg_backend = "gloo" if backend == DEEPSPEED else backend
 
@@ -558,14 +562,20 @@ def _bench_one(spec, dist, rank, n, count, dtype, seed, warm, iters, cfg) -> dic
     inject = cfg["inject_error"] and rank == (cfg["root"] if spec.name == "reduce" else n - 1)
     buf = None
     phase = "build"
+    dev = cfg.get("torch_device")
+    sync = device_mod.synchronizer(dev) if dev is not None else None
     try:
         buf = spec.build(count, rank, n, dtype, seed, root=cfg["root"])
+        if dev is not None:
+            buf = device_mod.to_device(buf, dev)
         phase = "barrier"
         dist.barrier()
         phase = "warmup"
         for _ in range(warm):
             buf.reset()
             spec.run(buf)
+            if sync is not None:
+                sync()
             if inject:
                 buf.corrupt()
         phase = "check"
@@ -579,6 +589,8 @@ def _bench_one(spec, dist, rank, n, count, dtype, seed, warm, iters, cfg) -> dic
             buf.reset()
             t0 = clock()
             spec.run(buf)
+            if sync is not None:  # device tensors: the call's time to completion
+                sync()
             t1 = clock()
             times.append(t1 - t0)
             if inject:
@@ -789,7 +801,8 @@ def _rank_cfg(backend, world_size, rundir, args, **extra) -> dict:
         ops=args.ops, sizes=args.sizes, dtype=args.dtype, iters=args.iters,
         warmup=args.warmup, iter_bytes=args.iter_bytes, min_iters=args.min_iters,
         seed=args.seed, root=args.root, threads=args.threads, check_all=args.check_all,
-        inject_error=args.inject_error), **extra}
+        inject_error=args.inject_error, device=args.device,
+        env=device_mod.rank_env(args.device, backend)), **extra}
 
 
 def run_config(backend: str, world_size: int, args, rep: Reporter) -> None:
@@ -1103,6 +1116,9 @@ def run_memcpy(args, rep: Reporter) -> None:
     import numpy as np
     import torch
 
+    if args.device == "cuda":
+        device_mod.run_device_copy(args, rep, make_row, plan_iterations, collectives, _Memcpy)
+        return
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the checks outside the timed region: no worker threads
     t_start = time.monotonic()
@@ -1188,6 +1204,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--min-iters", dest="min_iters", type=int, default=3,
       help="never fewer timed iterations than this (default 3)")
     a("--dtype", help="float32 (default), float64, float16, bfloat16, int32, int64, ...")
+    a("--device", choices=device_mod.DEVICES, default="cpu",
+      help="where the ranks' tensors live: cpu (default); cuda (rank r on GPU r %% count, "
+           "every call synchronized, memcpy = device copy; see benchmarks/device.py); sim "
+           "(cuda_ipc's device path on the simulated device, a smoke test)")
     a("--root", type=int, default=0, help="root rank of broadcast/reduce (default 0)")
     a("--seed", type=int, default=0, help="seed of the input patterns (default 0)")
     a("--threads", type=int, default=1, help="torch.set_num_threads per rank (default 1)")
