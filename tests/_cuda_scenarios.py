@@ -82,3 +82,32 @@ def scenario_stalled_peer(c):
         except Exception as e:
             c.emit("error", **c.err(e))
     group.close()
+
+
+def scenario_gpu_lost_peer(c):
+    """Real CUDA, through torch "shm": rank 1's stream is ~30 s behind when both enqueue
+    an all_reduce; the parent SIGKILLs rank 1. Rank 0 reports its watchdog's error and
+    whether torch.cuda.synchronize() returns (its stream was released)."""
+    import threading
+
+    import torch.distributed as dist
+    torch.cuda.set_device(0)
+    c.torch = True
+    c.new_group()
+    t = torch.ones(1000, device="cuda")
+    dist.all_reduce(t)
+    torch.cuda.synchronize()
+    if c.rank == 1:
+        torch.cuda._sleep(60_000_000_000)  # ~30 s of clock cycles on the device
+    dist.all_reduce(torch.ones(1000, device="cuda"))
+    c.emit("enqueued")
+    if c.rank == 1:
+        c.wait_cmd()
+        return
+    dg = dist.group.WORLD._device.dg
+    err = _watchdog_error(dg, 60)
+    c.emit("error", **c.err(err))
+    done = threading.Event()
+    threading.Thread(target=lambda: (torch.cuda.synchronize(), done.set()), daemon=True).start()
+    c.emit("synchronized", ok=done.wait(20))
+    c.close()

@@ -1,0 +1,118 @@
+"""GPU measurements beside the sweep (scripts/gpu_check.sh), each verified:
+
+* enqueue: host time of an all_reduce on CUDA tensors against its device time (CUDA
+  events), 2 ranks on GPU 0, 256 MiB: "shm" returns to the caller before the device is done.
+* ddp: DDP on CUDA, 2 ranks on GPU 0, 20 SGD steps of the same model and data on "shm"
+  and on gloo: the parameters after the last step (max |shm - gloo|, and whether the ranks
+  agree bitwise) and the median step time.
+
+    python -m benchmarks.gpu_extras --out docs/results/gpu_extras.jsonl
+"""
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+WS = 2
+STEPS = 20
+
+
+def _init(rank, backend, path):
+    import torch.distributed as dist
+    import shmcoll  # noqa: F401
+    torch.cuda.set_device(0)
+    dist.init_process_group(backend, init_method=f"file://{path}", rank=rank, world_size=WS,
+                            timeout=datetime.timedelta(seconds=300))
+    return dist
+
+
+def _enqueue(rank, path, out):
+    dist = _init(rank, "shm", os.path.join(path, "rdv_enqueue"))
+    t = torch.empty((256 << 20) // 4, device="cuda")
+    host, dev = [], []
+    for i in range(12):
+        t.fill_(rank + 1.0)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t0 = time.perf_counter()
+        dist.all_reduce(t)
+        host.append(time.perf_counter() - t0)
+        end.record()
+        end.synchronize()
+        dev.append(start.elapsed_time(end) / 1e3)
+        assert float(t[-1].item()) == 3.0 and float(t[0].item()) == 3.0
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"record": "enqueue", "nbytes": 256 << 20, "world_size": WS,
+                       "host_ms_median": statistics.median(host[2:]) * 1e3,
+                       "device_ms_median": statistics.median(dev[2:]) * 1e3}, f)
+    dist.destroy_process_group()
+
+
+def _ddp(rank, backend, path, out):
+    dist = _init(rank, backend, os.path.join(path, f"rdv_{backend}"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(1024, 1024),
+                                                      torch.nn.GELU()) for _ in range(8)]).cuda()
+    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[0])
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    gen = torch.Generator(device="cuda").manual_seed(1 + rank)
+    times = []
+    for _ in range(STEPS):
+        x = torch.randn(64, 1024, device="cuda", generator=gen)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        ddp(x).square().mean().backward()
+        opt.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    flat = torch.cat([p.detach().reshape(-1) for p in ddp.parameters()]).cpu()
+    torch.save({"params": flat, "step_ms": statistics.median(times[3:]) * 1e3},
+               os.path.join(path, f"{backend}_{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_extras")
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_extras: no CUDA device", file=sys.stderr)
+        return 3
+    path = tempfile.mkdtemp()
+    rows = []
+    enq = os.path.join(path, "enqueue.json")
+    mp.spawn(_enqueue, args=(path, enq), nprocs=WS)
+    with open(enq) as f:
+        rows.append(json.load(f))
+    res = {}
+    for backend in ("shm", "gloo"):
+        mp.spawn(_ddp, args=(backend, path, None), nprocs=WS)
+        res[backend] = [torch.load(os.path.join(path, f"{backend}_{r}.pt")) for r in range(WS)]
+    shm, gloo = res["shm"], res["gloo"]
+    rows.append({"record": "ddp", "world_size": WS, "steps": STEPS,
+                 "ranks_bitwise_equal": all(torch.equal(shm[0]["params"], r["params"])
+                                            for r in shm),
+                 "max_abs_diff_vs_gloo": float((shm[0]["params"] - gloo[0]["params"]).abs().max()),
+                 "step_ms_shm": max(r["step_ms"] for r in shm),
+                 "step_ms_gloo": max(r["step_ms"] for r in gloo)})
+    with open(args.out, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+            print(json.dumps(r))
+    bad = not rows[-1]["ranks_bitwise_equal"] or rows[-1]["max_abs_diff_vs_gloo"] > 1e-3
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
