@@ -86,6 +86,7 @@ class DeviceArena:
         self.rank = group.rank
         self.world_size = group.world_size
         self.nslots = int(nslots)
+        self._inline = dev.inline  # waits run on this thread: they need guards (sim)
         self._host = group._arena
         self._rv = rendezvous
         self._alloc = None
@@ -234,7 +235,8 @@ class DeviceArena:
             prev = word_add(g, -self.nslots)
             for p in self._peers():
                 self.dev.wait_value(stream, self._done_dev[p], prev,
-                                    self._guard(p, self._done[p], prev))
+                                    self._guard(p, self._done[p], prev) if self._inline
+                                    else None)
 
     def publish(self, stream, g):
         """Rule 2: READY[me] := g in every peer's inbox."""
@@ -244,7 +246,8 @@ class DeviceArena:
     def collect(self, stream, g):
         """Rule 3: my stream waits until every peer's chunk g is in its slot."""
         for p in self._peers():
-            self.dev.wait_value(stream, self._ready_dev[p], g, self._guard(p, self._ready[p], g))
+            self.dev.wait_value(stream, self._ready_dev[p], g,
+                                self._guard(p, self._ready[p], g) if self._inline else None)
 
     def release(self, stream, g):
         """Rule 4: DONE[me] := g in every peer's inbox, then MINE := g."""

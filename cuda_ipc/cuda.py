@@ -132,6 +132,7 @@ class CudaDevice:
     """The device seam (device.py) on CUDA device `index`."""
 
     kind = "cuda"
+    inline = False  # waits run on the device; the watchdog bounds them
 
     def __init__(self, index):
         self.index = int(index)
@@ -157,16 +158,23 @@ class CudaDevice:
         fn(*args)
 
     def write_value(self, stream, dev_addr, value):
-        api = self._api
-        api.check_driver("cuStreamWriteValue32", api.write_value(
-            ctypes.c_void_p(stream.cuda_stream), dev_addr, value & 0xFFFFFFFF,
-            _CU_STREAM_WRITE_VALUE_DEFAULT))
+        self._memop("cuStreamWriteValue32", self._api.write_value, stream, dev_addr, value,
+                    _CU_STREAM_WRITE_VALUE_DEFAULT)
 
     def wait_value(self, stream, dev_addr, value, guard=None):
-        api = self._api
-        api.check_driver("cuStreamWaitValue32", api.wait_value(
-            ctypes.c_void_p(stream.cuda_stream), dev_addr, value & 0xFFFFFFFF,
-            _CU_STREAM_WAIT_VALUE_GEQ))
+        self._memop("cuStreamWaitValue32", self._api.wait_value, stream, dev_addr, value,
+                    _CU_STREAM_WAIT_VALUE_GEQ)
+
+    def _memop(self, what, fn, stream, dev_addr, value, flags):
+        """A driver stream memory operation, with this device's context current (the
+        calling thread's current device may be another one)."""
+        args = (ctypes.c_void_p(stream.cuda_stream), dev_addr, value & 0xFFFFFFFF, flags)
+        if torch.cuda.current_device() == self.index:
+            code = fn(*args)
+        else:
+            with self._ctx():
+                code = fn(*args)
+        self._api.check_driver(what, code)
 
     def synchronize(self, stream, timeout_s=60.0):
         stream.synchronize()

@@ -156,6 +156,7 @@ class SimDevice:
         self.torch_device = torch.device("cpu")
         self.peer_access = peer_access
         self._asynchronous = asynchronous
+        self.inline = not asynchronous  # waits spin on the caller's thread (bounded by guards)
         self._max_delay_s = max_delay_s
         self._seed = seed
         self._local = threading.local()
