@@ -38,7 +38,7 @@ def describe_fingerprint(fp):
     """Render (collective, dtype, count, root, op, extra) for error messages."""
     coll, dtype, count, root, op, _extra = (list(fp) + [0] * 6)[:6]
     device = ""
-    if coll >= DEVICE_CODE:
+    if DEVICE_CODE <= coll <= DEVICE_CODE + len(COLLECTIVES):
         coll, device = coll - DEVICE_CODE, "device "
         if coll == 0:
             return "device setup()"
