@@ -111,3 +111,41 @@ def scenario_gpu_lost_peer(c):
     threading.Thread(target=lambda: (torch.cuda.synchronize(), done.set()), daemon=True).start()
     c.emit("synchronized", ok=done.wait(20))
     c.close()
+
+
+def scenario_inline_lost_peer(c):
+    """torch "shm" with SHMCOLL_CUDA_SIM=inline: both ranks loop a chunked all_reduce on the
+    device path (4 KiB slots, 256 KiB messages: 64 chunks) until rank 1 SIGKILLs itself in
+    the middle of one; rank 0's inline waits must end in PeerLostError, and the group stays
+    failed."""
+    import torch.distributed as dist
+    c.torch = True
+    c.new_group()
+    t = torch.ones(1 << 16)
+    dist.all_reduce(t)
+    c.emit("ready")
+    if c.rank == 1:  # die inside the 4th collective, between two of its 64 chunks
+        import os
+        import signal
+        from cuda_ipc import collectives
+        reduce, calls = collectives.reduce_into, [0]
+
+        def reduce_then_die(*args):
+            calls[0] += 1
+            if calls[0] == 3 * 64 + 20:
+                os.kill(os.getpid(), signal.SIGKILL)
+            reduce(*args)
+        collectives.reduce_into = reduce_then_die
+    try:
+        while True:
+            t.fill_(1.0)
+            dist.all_reduce(t)
+            c.emit("iter")
+    except Exception as e:
+        c.emit("error", **c.err(e))
+    try:
+        dist.all_reduce(t)
+        c.emit("again", type=None)
+    except Exception as e:
+        c.emit("again", **c.err(e))
+    c.close()

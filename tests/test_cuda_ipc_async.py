@@ -151,3 +151,22 @@ def test_stalled_peer_times_out_naming_it(tmp_path):
         ev1 = job.event(1, "error", timeout_s=60)
         assert ev1["type"] == "GroupAbortedError" and "rank 0" in ev1["msg"], ev1
         assert job.join(60) == {0: 0, 1: 0}
+
+
+def test_inline_waits_end_when_a_peer_dies(tmp_path):
+    """The device path through torch (inline simulated streams, chunked messages): a rank
+    SIGKILLed between two chunks of a collective makes the survivor's waits raise PeerLostError (via the
+    per-wait guard) within 2 s; the next call raises it again."""
+    env = {"SHMCOLL_CUDA_SIM": "inline", "SHMCOLL_CUDA_SLOT_BYTES": "4096"}
+    with Job("_cuda_scenarios.inline_lost_peer", 2, tmp_path, timeout_s=60, env=env) as job:
+        job.all_ranks("ready", timeout_s=180)
+        deadline = time.monotonic() + 60
+        while 1 not in job.died and time.monotonic() < deadline:
+            time.sleep(0.001)  # rank 1 kills itself inside its 4th collective
+        t0 = job.died[1]
+        ev = job.event(0, "error", timeout_s=30)
+        assert ev["type"] == "PeerLostError" and ev["peer"] == 1, ev
+        assert "stream waited" in ev["msg"], ev  # found by a chunk's wait, not the host's
+        assert ev["t"] - t0 < DETECT_S, (ev["t"] - t0, ev)
+        assert job.event(0, "again", timeout_s=30)["type"] == "PeerLostError"
+        assert job.join(60)[0] == 0
