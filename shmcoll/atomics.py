@@ -18,6 +18,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from . import jit  # noqa: F401  (numba's cache directory, before the kernels below)
+
 __all__ = [
     "load_acquire",
     "store_release",
