@@ -117,6 +117,10 @@ class Group:
     def poisoned(self):
         return self._poison
 
+    def is_peer_alive(self, peer):
+        """Whether rank `peer`'s process (or thread) still runs."""
+        return self._arena is None or self._arena.is_peer_alive(peer)
+
     def _usable(self, name):
         if self._closed:
             raise ShmcollError(f"{name}: the group was closed")
