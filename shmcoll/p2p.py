@@ -59,6 +59,7 @@ import numpy as np
 from . import jit
 from .atomics import (copy_bytes, load_acquire, read_acquire, store_release, wait_any_ge,
                       write_release)
+from .atomics import warm_up as atomics_warm_up
 from .errors import (CollectiveMismatchError, CollectiveTimeoutError, GroupAbortedError,
                      PeerLostError, ShmcollError)
 from .protocol import (LINE_NBYTES, SLEEP_MAX_S, SLEEP_MIN_S, SPINS, STATE_ABORTED,
@@ -275,6 +276,7 @@ class P2PEngine:
     """Mailboxes, matching and the progress thread of one rank of one group."""
 
     def __init__(self, regions, rank, layout, is_alive, oversubscribed=False, name=""):
+        atomics_warm_up()
         self.rank, self.world_size = rank, len(regions)
         self._regions, self._is_alive = regions, is_alive
         self._K, self._C = layout.p2p_cells, layout.p2p_cell_nbytes

@@ -92,7 +92,8 @@ import numba
 import numpy as np
 
 from .atomics import cas_acq_rel, copy_bytes, cpu_pause, load_acquire, monotonic_ns, \
-    read_acquire, sched_yield, store_release, wait_all_ge, wait_any_ge, write_release
+    read_acquire, sched_yield, store_release, wait_all_ge, write_release
+from .atomics import warm_up as atomics_warm_up
 from . import jit
 from .kernels import call_reduce
 from .single_copy import CMA, NONE, PIECE_NBYTES, errno_text, gather_from_peers, \
@@ -286,6 +287,9 @@ class Arena:
 
     def __init__(self, regions, rank, layout, is_alive, describe=None, oversubscribed=False,
                  pids=None, gil_turn=None, single_copy=NONE):
+        # Compiled or loaded under the compile lock before any first use (cheap when done).
+        atomics_warm_up()
+        warm_up_one_step()
         self.rank = rank
         self.world_size = len(regions)
         self.layout = layout
@@ -344,7 +348,6 @@ class Arena:
                                   + self._peer_fp_addrs, np.int64).reshape(
                                       2 + FP_RING, self.world_size - 1)
         self._verify = True
-        warm_up_one_step()  # compiled or loaded under the compile lock, before a first use
         # per-collective state
         self._seq = 0
         self._op_name = "?"
@@ -883,8 +886,7 @@ def warm_up():
 
 # The protocol kernels, in sets compiled on first use (jit.once), with exactly the argument
 # types Arena passes. They move bytes, so one compilation serves every dtype (a reduction
-# is a call through ops.ReduceSpec.fn). An Arena loads the atomics and the one-step kernel
-# when it is made (a group's warm-up does it earlier, during the rendezvous); the others
+# is a call through ops.ReduceSpec.fn). An Arena loads the one-step kernel when it is made (a group's warm-up does it earlier, during the rendezvous); the others
 # load when a collective first needs them (cold: 0.1-0.4 s each, 2-core VM).
 
 def _dummies():
@@ -899,8 +901,6 @@ def _dummies():
 
 def _warm_one_step():
     words, w, none, srcs, cfg, tab, a, fp = _dummies()
-    write_release(w, 0)
-    read_acquire(w)
     _one_step_kernel(ONE_STEP_REDUCE, a[:0], _NO_BYTES, cfg, tab, srcs, np.zeros(8, np.int64),
                      1.0, 1.0, 0, 0, -1)
     _one_step_consume(ONE_STEP_BROADCAST, a[:0], _NO_BYTES, srcs, 0, 0, 0, 0, 1.0, 1.0)
@@ -945,7 +945,7 @@ _KERNEL_SETS = ((_ONE_STEP, _warm_one_step), (_EXCHANGE, _warm_exchange),
 
 
 def warm_up_one_step():
-    """The atomics and the one-step kernel (small collectives), once per process."""
+    """The one-step kernel (small collectives), once per process."""
     jit.once(_ONE_STEP, _warm_one_step)
 
 

@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from . import kernels, p2p, protocol
+from . import atomics, kernels, p2p, protocol
 
 __all__ = ["warm_up", "warm_up_async", "wait_ready", "FIRST_REDUCERS"]
 
@@ -40,6 +40,7 @@ def warm_up(reducers=None):
     t0 = time.perf_counter()
     with _lock:
         try:
+            atomics.warm_up()
             protocol.warm_up_one_step()
             if reducers is None:
                 protocol.warm_up()
