@@ -41,7 +41,7 @@ _POLL_MIN_S, _POLL_MAX_S = 0.005, 0.05
 
 _tlock = threading.RLock()  # rank threads of this process; numba's own lock is global too
 _depth = 0  # nesting of compiling() in the thread that holds _tlock
-_fd = None  # the lock file, opened once per process (reopened after a fork)
+_fd = None  # the lock file, opened once per process (reopened after a fork); False: none
 
 
 def _probe():
@@ -94,25 +94,33 @@ def _ensure_cache_dir():
 
 
 def _lock_fd():
+    """The lock file's descriptor, or None where there can be none (said once)."""
     global _fd
     if _fd is None:
         where = cache_dir()
-        if where is None:
-            return None
         try:
+            if where is None:
+                raise OSError("numba's cache location is unknown")
             _fd = os.open(os.path.join(where, LOCK_NAME),
                           os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         except OSError as e:
-            log.warning("shmcoll: cannot open the compile lock in %s (%s); ranks may compile "
-                        "the same kernels at the same time", where, e)
-            return None
-    return _fd
+            _no_lock(e)
+    return _fd or None
+
+
+def _no_lock(error):
+    global _fd
+    log.warning("shmcoll: no compile lock in %s (%s): ranks may compile the same kernels at "
+                "the same time", cache_dir(), error)
+    if _fd:
+        os.close(_fd)
+    _fd = False
 
 
 def _forget_lock_fd():
     """After fork: the child must not share the parent's open file (and lock) description."""
     global _fd, _depth
-    if _fd is not None:
+    if _fd:
         try:
             os.close(_fd)
         except OSError:
@@ -139,6 +147,8 @@ def _timeout(what, waited_s, holder):
 
 
 def _flock(fd, what, deadline, t0):
+    """Take the file lock (True), or False where the filesystem has no flock (ENOLCK on
+    some network filesystems): then ranks may compile the same kernel, nothing worse."""
     poll = _POLL_MIN_S
     while True:
         try:
@@ -149,9 +159,12 @@ def _flock(fd, what, deadline, t0):
             time.sleep(poll)
             poll = min(poll * 2, _POLL_MAX_S)
             continue
+        except OSError as e:
+            _no_lock(e)
+            return False
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        return
+        return True
 
 
 @contextlib.contextmanager
@@ -165,8 +178,8 @@ def compiling(what):
         raise _timeout(what, time.monotonic() - t0, f"{os.getpid()} (another thread)")
     try:
         fd = _lock_fd() if _depth == 0 else None
-        if fd is not None:
-            _flock(fd, what, deadline, t0)
+        if fd is not None and not _flock(fd, what, deadline, t0):
+            fd = None
         _depth += 1
         try:
             yield

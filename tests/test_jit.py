@@ -1,6 +1,7 @@
 """Kernel compilation: one compile per kernel and job (jit.py's lock), one signature per
 protocol kernel whatever the dtype, the lock's deadline and the cache-directory fallback."""
 
+import errno
 import fcntl
 import json
 import os
@@ -137,6 +138,24 @@ def test_lock_is_reentrant_and_excludes_threads(tmp_path, monkeypatch):
                 assert os.pread(fd, 32, 0).decode().strip() == str(os.getpid())
             finally:
                 os.close(fd)
+
+
+def test_no_flock_compiles_unlocked_and_says_so_once(monkeypatch, caplog):
+    """Where the cache's filesystem has no flock (ENOLCK, some network filesystems)."""
+    monkeypatch.setattr(jit, "_fd", None)  # a descriptor of this test's own
+    real = fcntl.flock
+
+    def flock(fd, op):
+        if op & fcntl.LOCK_EX:
+            raise OSError(errno.ENOLCK, "No locks available")
+        return real(fd, op)
+
+    monkeypatch.setattr(jit.fcntl, "flock", flock)
+    for what in ("a", "b"):
+        with jit.compiling(what):
+            pass
+    warned = [r for r in caplog.records if "no compile lock" in r.getMessage()]
+    assert len(warned) == 1 and "No locks available" in warned[0].getMessage()
 
 
 def test_compile_timeout_is_validated():
