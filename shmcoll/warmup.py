@@ -1,14 +1,14 @@
 """Compile (or load from numba's cache) kernels once, off the first collective's path.
 
-`python -m shmcoll.warmup` compiles every kernel for every dtype into numba's cache (~15 s
-on a quiet 2-core VM, once per machine, Python and numba version); nothing needs it, but it
+`python -m shmcoll.warmup` compiles every kernel for every dtype into numba's cache (~10 s
+on the 2-core VM, once per machine, Python and numba version); nothing needs it, but it
 takes the cold start (docs/COLD_START.md) out of a first job, e.g. in a container image.
 
 Every group starts `warm_up_async()` at creation, overlapping the store rendezvous, and
-waits for it before it returns: it loads the protocol kernels (which move bytes, the same
-for every dtype) and the float32 reducer, what nearly every first collective needs; cold,
-it compiles them (~1-2 s). Other dtypes' reducers load (or compile, ~0.3 s) on their first
-use. Nothing keeps loading in the background after the group is ready: loading holds the
+waits for it (at most the group's timeout) before it returns: it loads the one-step kernel
+(small collectives; it moves bytes, the same for every dtype) and the float32 sum reducer,
+what nearly every first collective needs; cold, it compiles them (~1-1.5 s). The other
+kernels load (or compile, 0.1-0.5 s each) on their first use. Nothing keeps loading in the background after the group is ready: loading holds the
 GIL and a core, and a loader running beside the first collectives made them 3-30x slower
 for the first half second (a benchmark's small sizes, a training loop's first steps; worst
 with more ranks than cores).
