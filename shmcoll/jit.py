@@ -48,13 +48,17 @@ def _probe():
     """Stands for every shmcoll kernel: numba locates the cache per source directory."""
 
 
+def _cache_path():
+    """numba's locator's pick for this package (checked with numba 0.68); RuntimeError
+    when numba finds no writable place, another error where its internals differ."""
+    from numba.core.caching import FunctionCache
+    return FunctionCache(_probe)._cache_path
+
+
 def cache_dir():
-    """The directory numba caches shmcoll's kernels in (its locator's pick for this
-    package), or None when numba's cache internals are not where this numba version was
-    read (0.58-0.68: numba.core.caching.FunctionCache)."""
+    """The directory numba caches shmcoll's kernels in, or None when unknown."""
     try:
-        from numba.core.caching import FunctionCache
-        return FunctionCache(_probe)._cache_path
+        return _cache_path()
     except Exception:  # noqa: BLE001 -- a different numba layout: no lock file, no doctor line
         return None
 
@@ -76,7 +80,14 @@ def cached_entries(py_func):
 
 def _ensure_cache_dir():
     """Give numba a writable cache directory when it finds none for this package."""
-    if cache_dir() is not None or numba.config.CACHE_DIR:
+    if numba.config.CACHE_DIR:
+        return
+    try:
+        _cache_path()
+        return
+    except RuntimeError:  # "no locator available": numba would refuse to define the kernels
+        pass
+    except Exception:  # noqa: BLE001 -- another numba layout: leave its choice alone
         return
     path = os.path.join(tempfile.gettempdir(), f"shmcoll-numba-cache-{os.getuid()}")
     try:

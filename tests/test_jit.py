@@ -170,7 +170,10 @@ def test_compile_timeout_is_validated():
 def test_unwritable_cache_falls_back_to_a_private_directory(tmp_path, monkeypatch):
     """No writable place for numba's cache: a per-user directory under the temp dir, and
     never one that another user could have planted (cache files are executed)."""
-    monkeypatch.setattr(jit, "cache_dir", lambda: None)
+    def nowhere():
+        raise RuntimeError("cannot cache function '_probe': no locator available")
+
+    monkeypatch.setattr(jit, "_cache_path", nowhere)
     monkeypatch.setattr(numba.config, "CACHE_DIR", "")
     monkeypatch.setattr(jit.tempfile, "gettempdir", lambda: str(tmp_path))
     jit._ensure_cache_dir()
