@@ -9,4 +9,4 @@ PY=${PYTHON:-python3}
 "$PY" -m shmcoll.warmup
 "$PY" -m pytest tests -q -m "not slow" -p no:cacheprovider --ignore=tests/conformance "$@"
 "$PY" -m tests.conformance.run_suite --backend shm --subset tests/conformance/subset.txt
-bash scripts/wheel_check.sh  # the built wheel in a fresh venv, also read-only (~1-2 min)
+bash scripts/wheel_check.sh  # the built wheel in a fresh venv, also read-only (~1.5 min)
