@@ -45,49 +45,49 @@ def _ipc_works(timeout_s=60.0):
 
 
 def report():
-    """(lines, ok)."""
+    """[(level, text, fix)], level OK / INFO / FAIL (shmcoll.doctor's levels)."""
     import torch
-    lines = []
     if not torch.cuda.is_available():
-        return ["CUDA: no device visible (torch.cuda.is_available() is False): backend 'shm' "
-                "moves CPU tensors only; nothing to check"], True
+        return [("INFO", "no CUDA device visible (torch.cuda.is_available() is False): "
+                 "backend 'shm' moves CPU tensors only", "")]
     from .cuda import CudaDevice, _Api
     n = torch.cuda.device_count()
     devs = [CudaDevice(i) for i in range(n)]
-    lines.append(f"CUDA: {n} device(s), torch {torch.__version__} (CUDA {torch.version.cuda})")
+    out = [("INFO", f"{n} CUDA device(s), torch {torch.__version__} (CUDA "
+            f"{torch.version.cuda})", "")]
     for d in devs:
         free, total = d.mem_get_info()
-        lines.append(f"  cuda:{d.index} {d.describe()} uuid {d.uuid}, "
-                     f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB free")
+        out.append(("INFO", f"cuda:{d.index} {d.describe()} uuid {d.uuid}, "
+                    f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB free", ""))
     if n > 1:
-        lines.append("  peer-to-peer (row can map column): " + "; ".join(
+        out.append(("INFO", "peer-to-peer (row can map column): " + "; ".join(
             f"{a.index}->{b.index} {'yes' if a.can_access_peer(b.uuid) else 'no'}"
-            for a in devs for b in devs if a is not b))
-    ok = True
+            for a in devs for b in devs if a is not b), ""))
     try:
         _Api.get()
-        lines.append("  stream memory operations (cuStreamWrite/WaitValue32): available")
+        out.append(("OK", "stream memory operations (cuStreamWrite/WaitValue32) available", ""))
     except Exception as e:  # noqa: BLE001 - reported
-        ok = False
-        lines.append(f"  stream memory operations: UNAVAILABLE ({e}); fix: a CUDA 12 or newer "
-                     f"driver")
+        out.append(("FAIL", f"stream memory operations unavailable ({e})",
+                    "a CUDA 12 or newer driver"))
     ipc, detail = _ipc_works()
-    lines.append(f"  CUDA IPC between processes: {'works' if ipc else 'FAILS'} ({detail})")
-    same = "same_gpu" if ipc else "host (staged through /dev/shm)"
+    out.append(("OK" if ipc else "WARN", f"CUDA IPC between processes: "
+                f"{'works' if ipc else 'fails'} ({detail})",
+                "" if ipc else "run the ranks in one container/PID namespace (docker "
+                "--ipc=host --pid=host); meanwhile the host tier works, slower"))
     p2p = ipc and all(a.can_access_peer(b.uuid) for a in devs for b in devs if a is not b)
-    lines.append(f"  tier for ranks sharing one GPU: {same}")
+    out.append(("INFO", f"tier for ranks sharing one GPU: "
+                f"{'same_gpu' if ipc else 'host (staged through /dev/shm)'}", ""))
     if n > 1:
-        lines.append(f"  tier for ranks on different GPUs: {'p2p' if p2p else 'host'}")
-    if not ipc:
-        lines.append("  fix for IPC: run the ranks in one container/PID namespace (docker "
-                     "--ipc=host --pid=host); meanwhile the host tier works (slower)")
-    return lines, ok
+        out.append(("INFO", f"tier for ranks on different GPUs: {'p2p' if p2p else 'host'}",
+                    ""))
+    return out
 
 
 def main():
-    lines, ok = report()
-    print("\n".join(lines))
-    return 0 if ok else 1
+    found = report()
+    for level, text, fix in found:
+        print(f"{level:5} {text}" + (f"\n      fix: {fix}" if fix else ""))
+    return 1 if any(level == "FAIL" for level, _, _ in found) else 0
 
 
 if __name__ == "__main__":

@@ -4,6 +4,9 @@ Engine API (numpy only): new_shm_group(store, rank, world_size) -> Group.
 With torch installed, importing shmcoll registers the torch.distributed backend "shm".
 """
 
+# First: jit gives numba a writable cache directory (or a private one) before any module
+# defines a cached kernel; numba refuses to define them at import when it finds none.
+from . import jit  # noqa: F401,I001
 from .errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,

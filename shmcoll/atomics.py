@@ -13,10 +13,13 @@ import platform
 import time
 
 import numba
+import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+from . import jit  # noqa: F401  (numba's cache directory, before the kernels below)
 
 __all__ = [
     "load_acquire",
@@ -31,6 +34,7 @@ __all__ = [
     "copy_bytes",
     "read_acquire",
     "write_release",
+    "warm_up",
 ]
 
 _IS_X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
@@ -240,3 +244,15 @@ def read_acquire(addr):
 def write_release(addr, value):
     """Python-callable release store of `value` into the int64 at `addr`."""
     store_release(addr, value)
+
+
+def _warm_up():
+    word = np.zeros(1, np.int64)
+    write_release(word.ctypes.data, 0)
+    read_acquire(word.ctypes.data)
+
+
+def warm_up():
+    """Compile (or load) the Python-callable atomics, once per process, under the job's
+    compile lock: whatever builds on them calls this before its first use."""
+    jit.once("shmcoll's atomics", _warm_up)

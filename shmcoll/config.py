@@ -3,7 +3,7 @@
 import os
 from dataclasses import dataclass
 
-__all__ = ["Config", "from_env", "p2p_cells"]
+__all__ = ["Config", "from_env", "p2p_cells", "compile_timeout_s"]
 
 MIB = 1 << 20
 
@@ -112,3 +112,25 @@ def from_env(environ=None, **overrides):
                          f"a positive multiple of 64, got {cfg.p2p_cells} and "
                          f"{cfg.p2p_cell_nbytes}")
     return cfg
+
+
+# Process-wide, read at each use (not per group): how long a process waits for another one
+# that holds the kernel compile lock (jit.py). Compiling every kernel takes ~10-20 s on a
+# quiet 2-core VM; minutes on a loaded one.
+COMPILE_TIMEOUT_S = 600.0
+
+
+def compile_timeout_s(environ=None):
+    """SHMCOLL_COMPILE_TIMEOUT_S (seconds, > 0), default COMPILE_TIMEOUT_S."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get("SHMCOLL_COMPILE_TIMEOUT_S")
+    if raw is None:
+        return COMPILE_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"SHMCOLL_COMPILE_TIMEOUT_S={raw!r} is not a positive number of "
+                         f"seconds")
+    return value

@@ -128,6 +128,10 @@ class Group:
     def poisoned(self):
         return self._poison
 
+    def is_peer_alive(self, peer):
+        """Whether rank `peer`'s process (or thread) still runs."""
+        return self._arena is None or self._arena.is_peer_alive(peer)
+
     def _usable(self, name):
         if self._closed:
             raise ShmcollError(f"{name}: the group was closed")
@@ -318,14 +322,16 @@ class Group:
     def _plan(self, key, name, fp, algo, nbytes, storage, spec=None, view=None):
         """Build and cache a _Plan under `key` (bounded: shapes that never repeat do not
         grow it). `storage`: the element dtype the engine moves (its itemsize sizes the
-        sub-chunks); `view`: the dtype each call views the array as, or None."""
+        sub-chunks); `view`: the dtype each call views the array as, or None (the one-step
+        kernel takes bytes: uint8 then)."""
         plan = _Plan()
-        plan.fp, plan.algo, plan.nbytes, plan.spec, plan.view = fp, algo, nbytes, spec, view
+        plan.fp, plan.algo, plan.nbytes, plan.spec = fp, algo, nbytes, spec
         plan.pre, plan.post = (spec.pre, spec.post) if spec is not None else (1.0, 1.0)
         plan.mode = None if self._arena is None else \
             algorithms.one_step_mode(algo, self._arena, nbytes, storage.itemsize)
+        plan.view = view if plan.mode is None else np.dtype(np.uint8)
         plan.words = np.array((_CODE[name],) + fp + (
-            (spec.op, spec.kind == "bfloat16") if spec is not None else (0, 0)), np.int64)
+            (spec.op, spec.fn) if spec is not None else (0, 0)), np.int64)
         if len(self._plans) >= _MAX_PLANS:
             self._plans.clear()
         self._plans[key] = plan

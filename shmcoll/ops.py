@@ -80,12 +80,14 @@ _BOOL_OP = {ReduceOp.SUM: kernels.OP_BOR, ReduceOp.MAX: kernels.OP_BOR,
 
 @dataclass(frozen=True)
 class ReduceSpec:
-    """Everything a reduction kernel call needs: kind, kernel op code and pre/post scales."""
+    """Everything a reduction kernel call needs: kind, kernel op code, pre/post scales and
+    fn, the address of the dtype's compiled reducer (kernels.reducer)."""
 
     kind: str
     op: int
     pre: float = 1.0
     post: float = 1.0
+    fn: int = 0
 
 
 def dtype_of(array, dtype=None):
@@ -109,7 +111,8 @@ _SPECS = {}
 
 
 def reduce_spec(op, dtype, world_size, collective="all_reduce", premul=1.0):
-    """Map (op, dtype) to a ReduceSpec, or raise TypeError naming the supported ops."""
+    """Map (op, dtype) to a ReduceSpec, or raise TypeError naming the supported ops. The
+    first spec of a dtype compiles its reducer (or loads it from numba's cache)."""
     key = (op, dtype.code, world_size, premul)
     spec = _SPECS.get(key)
     if spec is None:
@@ -127,7 +130,9 @@ def _make_spec(op, dtype, world_size, collective, premul):
         raise TypeError(f"{collective}: op {op.name} is not supported for dtype {dtype.name} "
                         f"(supported: {names})")
     if dtype.kind == "bool":
-        return ReduceSpec("bool", _BOOL_OP.get(op, _KERNEL_OP[op]))
+        kop = _BOOL_OP.get(op, _KERNEL_OP[op])
+        return ReduceSpec("bool", kop, fn=kernels.reducer(dtype.storage, "bool", kop))
     pre = float(premul) if op == ReduceOp.PREMUL_SUM else 1.0
     post = 1.0 / world_size if op == ReduceOp.AVG else 1.0
-    return ReduceSpec(dtype.kind, _KERNEL_OP[op], pre, post)
+    kop = _KERNEL_OP[op]
+    return ReduceSpec(dtype.kind, kop, pre, post, kernels.reducer(dtype.storage, dtype.kind, kop))

@@ -56,14 +56,16 @@ import time
 import numba
 import numpy as np
 
+from . import jit
 from .atomics import (copy_bytes, load_acquire, read_acquire, store_release, wait_any_ge,
                       write_release)
+from .atomics import warm_up as atomics_warm_up
 from .errors import (CollectiveMismatchError, CollectiveTimeoutError, GroupAbortedError,
                      PeerLostError, ShmcollError)
 from .protocol import (LINE_NBYTES, SLEEP_MAX_S, SLEEP_MIN_S, SPINS, STATE_ABORTED,
                        STATE_CLOSED, STATE_LIVE, W_STATE, YIELD_NS)
 
-__all__ = ["P2PEngine", "Request", "ANY_SOURCE"]
+__all__ = ["P2PEngine", "Request", "ANY_SOURCE", "ensure_kernels"]
 
 log = logging.getLogger("shmcoll")
 
@@ -83,6 +85,36 @@ IDLE_SLEEP_MAX_S = 8e-3
 def _ncells(nbytes, cell_nbytes):
     """Cells a message takes (a 0-byte message still takes one)."""
     return max(1, -(-nbytes // cell_nbytes))
+
+
+_CELL_KERNELS = "shmcoll's point-to-point kernels"
+_PROGRESS_WAIT = "shmcoll's point-to-point progress wait"
+
+
+def _warm_progress_wait():
+    word = np.zeros(1, np.int64)
+    addrs = np.array([word.ctypes.data], np.int64)
+    wait_any_ge(addrs, np.zeros(1, np.int64), 0, 0, word.ctypes.data)
+
+
+def ensure_kernels():
+    """Compile (or load from numba's cache) the cell kernels below, once per process, under
+    the job's compile lock (jit.py). A group's progress thread runs from its creation, but
+    these wait for the first message this process posts or receives: most jobs send none,
+    and compiling them (~0.7 s cold) would delay the first collectives."""
+    jit.once(_PROGRESS_WAIT, _warm_progress_wait)
+    jit.once(_CELL_KERNELS, _warm_kernels)
+
+
+def _warm_kernels():
+    ring = np.zeros(_HDR + 64, np.uint8)
+    word = np.zeros(1, np.int64)
+    addr, waddr = ring.ctypes.data, word.ctypes.data
+    none = np.zeros(0, np.uint8)
+    # Arguments that do no work: no cell to write, none ready, none left to take.
+    _push_cells(ring, addr, 1, ring.size, 0, 0, waddr, none, 1, 0, 0)
+    _peek_cell(ring, addr, 1, ring.size, 0)
+    _take_cells(ring, addr, 1, ring.size, 0, waddr, none, False, 0, 0, 0, 1)
 
 
 # -- cell kernels (rules 1-3): per-cell work in compiled code, GIL released ------------------
@@ -244,6 +276,7 @@ class P2PEngine:
     """Mailboxes, matching and the progress thread of one rank of one group."""
 
     def __init__(self, regions, rank, layout, is_alive, oversubscribed=False, name=""):
+        atomics_warm_up()
         self.rank, self.world_size = rank, len(regions)
         self._regions, self._is_alive = regions, is_alive
         self._K, self._C = layout.p2p_cells, layout.p2p_cell_nbytes
@@ -297,6 +330,7 @@ class P2PEngine:
         return self._post(self._post_recv, req)
 
     def _post(self, fn, req):
+        ensure_kernels()
         if req.buf.dtype != np.uint8 or req.buf.ndim != 1 or not req.buf.flags.c_contiguous:
             raise ValueError(f"{req.describe()}: the engine moves flat C-contiguous uint8 "
                              f"buffers, got {req.buf.dtype} {req.buf.shape}")
@@ -367,6 +401,10 @@ class P2PEngine:
     # -- receiving -----------------------------------------------------------------------
 
     def _drain_all(self):
+        if not jit.is_done(_CELL_KERNELS):
+            if not self._arrived():
+                return False
+            ensure_kernels()  # the first message reached this process
         did = False
         for src in range(self.world_size):
             for _ in range(self._K):  # bounded, so one busy sender cannot starve the rest
@@ -374,6 +412,11 @@ class P2PEngine:
                     break
                 did = True
         return did
+
+    def _arrived(self):
+        """Whether the next cell from any source is there (rule 3's test, without a kernel)."""
+        return any(read_acquire(self._in_addr[s] + (self._taken[s] % self._K) * self._stride)
+                   >= self._taken[s] + 1 for s in range(self.world_size))
 
     def _take_cell(self, src):
         """Consume the cells from src that are there (rule 3); True if any consumed."""
@@ -462,6 +505,7 @@ class P2PEngine:
         suspect = None  # a lost peer seen after an idle pass; fatal if the next pass is idle too
         my_state = self._state[self.rank]
         try:
+            jit.once(_PROGRESS_WAIT, _warm_progress_wait)
             while not self._stopping:
                 with self._lock:
                     did, pending = self._progress()

@@ -93,7 +93,9 @@ import numpy as np
 
 from .atomics import cas_acq_rel, copy_bytes, cpu_pause, load_acquire, monotonic_ns, \
     read_acquire, sched_yield, store_release, wait_all_ge, write_release
-from .kernels import reduce_any, view_like
+from .atomics import warm_up as atomics_warm_up
+from . import jit
+from .kernels import call_reduce
 from .single_copy import CMA, NONE, PIECE_NBYTES, errno_text, gather_from_peers, \
     reduce_from_peers
 from .errors import (
@@ -285,6 +287,9 @@ class Arena:
 
     def __init__(self, regions, rank, layout, is_alive, describe=None, oversubscribed=False,
                  pids=None, gil_turn=None, single_copy=NONE):
+        # Compiled or loaded under the compile lock before any first use (cheap when done).
+        atomics_warm_up()
+        warm_up_one_step()
         self.rank = rank
         self.world_size = len(regions)
         self.layout = layout
@@ -434,18 +439,19 @@ class Arena:
         return self._step
 
     def exchange(self, i=None, src=None, byte_offset=0, nbytes=0):
-        """Copy `nbytes` of array `src` from `byte_offset` into my slot i (claimed), post,
-        and wait for every peer to post too: post(i) + wait_all() in one compiled call.
-        Without a slot (i None) it is post() + wait_all(): nothing is published.
+        """Copy `nbytes` of 1-D array `src` from `byte_offset` into my slot i (claimed),
+        post, and wait for every peer to post too: post(i) + wait_all() in one compiled
+        call. Without a slot (i None) it is post() + wait_all(): nothing is published.
 
         On the first post of a collective the kernel also writes the fingerprint and checks
         the peers' (rule 4); anything but a clean pass (a slow peer, a mismatch, an abort)
         is finished by the Python code of wait_all, which owns the slow path and the errors.
         """
+        jit.once(_EXCHANGE, _warm_exchange)
         if i is None:
             src, dst, nbytes = _NO_BYTES, 0, 0
         else:
-            dst = self._slot_addr_mine[i]
+            src, dst = src.view(np.uint8), self._slot_addr_mine[i]  # kernels move bytes
         fp, fp_addr, peer_fp = self._fp_args()
         step = self._step + 1
         if i is not None:
@@ -465,8 +471,8 @@ class Arena:
         buf[start:start + n], in rank order, through my slot i (claimed): the one-shot
         all_reduce as one compiled call when nobody is late (see _stream)."""
         size = buf.itemsize
-        self._stream(i, STREAM_REDUCE, buf, start * size, n * size, sub_nbytes,
-                     spec.op, spec.pre, spec.post, spec.kind == "bfloat16", _NO_BYTES)
+        self._stream(i, STREAM_REDUCE, buf.view(np.uint8), size, start * size, n * size,
+                     sub_nbytes, spec, _NO_BYTES)
 
     def one_step(self, seq, op_name, mode, plan, pre, post, src, out, root, timeout_s):
         """Collective `seq` when it is a single step through one slot, as one compiled call
@@ -476,18 +482,19 @@ class Arena:
         a peer that takes that path (a strided array, say) matches it. The modes (see
         algorithms.one_step_mode for when each applies):
 
-        ONE_STEP_REDUCE: all_reduce_one_shot of one sub-chunk; `src` (1-D, contiguous)
-            becomes the reduction in rank order of every rank's `src`.
+        ONE_STEP_REDUCE: all_reduce_one_shot of one sub-chunk; `src` (the bytes of a 1-D
+            contiguous array) becomes the reduction in rank order of every rank's `src`.
         ONE_STEP_BROADCAST: broadcast_direct of one chunk; the root (rank `root`) copies
             `src` in, every other rank copies the root's slot out into its `src`.
         ONE_STEP_GATHER: all_gather_direct into one array, of one sub-chunk; rank j's `src`
             lands at out[j * src.nbytes:] (uint8 arrays).
         ONE_STEP_REDUCE_SCATTER: reduce_scatter_direct of one input array (world_size equal
             blocks) that fits a slot; `out` (the bytes of my output, one block) becomes the
-            reduction in rank order of block[rank] of every rank's `src`.
+            reduction in rank order of block[rank] of every rank's `src` (bytes too).
 
         `plan`: int64 [collective code, dtype code, count, root, op, shape word, kernel op,
-        bf16] (fingerprint words 2-7, then the reduction); pre/post as in ops.ReduceSpec.
+        reducer] (fingerprint words 2-7, then the reduction: ops.ReduceSpec's op and fn);
+        pre/post as in ops.ReduceSpec. `src` and `out` are uint8 arrays.
         Anything but a clean pass (a late peer, a mismatch, an abort) is finished by the same
         Python as the general path (_finish_wait), which owns the slow tiers and errors.
         """
@@ -521,15 +528,14 @@ class Arena:
         self._begin_step = step - 1
         self._slot_at_begin = i
         self._finish_wait(step, r, True)
-        _one_step_consume(mode, src, out, srcs, self.rank, root, plan[6], pre, post,
-                          plan[7] != 0)
+        _one_step_consume(mode, src, out, srcs, self.rank, root, plan[7], plan[6], pre, post)
 
     def exchange_gather(self, i, inp, out, sub_nbytes):
         """out[j * inp.size: (j + 1) * inp.size] = rank j's `inp`, for every rank j (uint8
         arrays; all_gather into one buffer), through my slot i (claimed), streamed like
         exchange_reduce: my own bytes are copied from `inp` (still in cache from the
         copy-in), each peer's from its sub-slot."""
-        self._stream(i, STREAM_GATHER, inp, 0, inp.size, sub_nbytes, 0, 1.0, 1.0, False, out)
+        self._stream(i, STREAM_GATHER, inp, 1, 0, inp.size, sub_nbytes, None, out)
 
     def exchange_reduce_two_shot(self, i, buf, spec):
         """buf = the reduction (ops.ReduceSpec `spec`) of every rank's buf, in rank order,
@@ -545,35 +551,38 @@ class Arena:
         only my own slice of my sub-slot, which no peer reads until the next step. The
         sub-chunks fill whole sub-slots: nothing overlaps across them, so smaller ones
         would only add waits."""
-        nbytes = buf.nbytes
-        sub = self.sub_nbytes(buf.itemsize, self.slot_nbytes)
+        jit.once(_TWO_SHOT, _warm_two_shot)
+        nbytes, size = buf.nbytes, buf.itemsize
+        sub = self.sub_nbytes(size, self.slot_nbytes)
         nphase = 2 * max(1, -(-nbytes // sub))
         step0 = self._step
         self._free_at[i] = step0 + nphase + 1
         srcs, dst = self._slot_addrs[i], self._slot_addr_mine[i]
-        op, pre, post, bf16 = spec.op, spec.pre, spec.post, spec.kind == "bfloat16"
+        buf = buf.view(np.uint8)  # kernels move bytes; the reducer knows the dtype
+        fn, op, pre, post = spec.fn, spec.op, spec.pre, spec.post
         p = 0
         while True:
             fp, fp_addr, peer_fp = self._fp_args()
             done, r = _two_shot_kernel(
-                buf, sub, p, dst, fp_addr, fp[0], fp[1], fp[2], fp[3], fp[4], fp[5], fp[6],
-                fp[7], self._seq_addr, self._seq, self._posted_addr, step0, self._peer_posted,
-                peer_fp, self._peer_state, self._spins, YIELD_NS, self._state_addr,
-                self._verify, srcs, self.rank, op, pre, post, bf16, self._gil_addr,
-                self._gil_me)
+                buf, size, sub, p, dst, fp_addr, fp[0], fp[1], fp[2], fp[3], fp[4], fp[5],
+                fp[6], fp[7], self._seq_addr, self._seq, self._posted_addr, step0,
+                self._peer_posted, peer_fp, self._peer_state, self._spins, YIELD_NS,
+                self._state_addr, self._verify, srcs, self.rank, fn, op, pre, post,
+                self._gil_addr, self._gil_me)
             self._fp_unwritten = False
             if self._settle(step0, nphase, done, r, fp_addr):
                 return
-            _two_shot_consume(done, buf, sub, srcs, self.rank, op, pre, post, bf16)
+            _two_shot_consume(done, buf, size, sub, srcs, self.rank, fn, op, pre, post)
             p = done + 1
             if p >= nphase:
                 self._step = step0 + nphase
                 return
 
-    def _stream(self, i, mode, src, byte_offset, nbytes, sub_nbytes, op, pre, post, bf16, out):
+    def _stream(self, i, mode, src, itemsize, byte_offset, nbytes, sub_nbytes, spec, out):
         """One collective's data through slot i in sub-chunks, one step each: copy the
         sub-chunk in, post, wait for every peer, then consume every rank's copy of it
-        (mode STREAM_REDUCE: reduce into src; STREAM_GATHER: copy into out), all in one
+        (mode STREAM_REDUCE: reduce into src with ops.ReduceSpec `spec`; STREAM_GATHER:
+        copy into out), `src` and `out` being bytes of `itemsize`-byte elements, all in one
         compiled call unless a peer is late (Python then finishes that wait, consumes the
         sub-chunk and resumes the kernel after it).
 
@@ -585,11 +594,14 @@ class Arena:
         every peer post sub-chunk k - 1, and a peer posts k - 1 only after it consumed
         k - 2, the last read of that sub-slot.
         """
-        sub = self.sub_nbytes(src.itemsize, sub_nbytes)
+        jit.once(_STREAM, _warm_stream)
+        sub = self.sub_nbytes(itemsize, sub_nbytes)
         nsub = max(1, -(-nbytes // sub))
         step0 = self._step
         self._free_at[i] = step0 + nsub + 1
         srcs, dst = self._slot_addrs[i], self._slot_addr_mine[i]
+        fn, op, pre, post = (0, 0, 1.0, 1.0) if spec is None else \
+            (spec.fn, spec.op, spec.pre, spec.post)
         k = 0
         while True:
             fp, fp_addr, peer_fp = self._fp_args()
@@ -598,12 +610,12 @@ class Arena:
                 fp[0], fp[1], fp[2], fp[3], fp[4], fp[5], fp[6], fp[7],
                 self._seq_addr, self._seq, self._posted_addr, step0, self._peer_posted, peer_fp,
                 self._peer_state, self._spins, YIELD_NS, self._state_addr, self._verify, srcs,
-                self.rank, op, pre, post, bf16, out, self._gil_addr, self._gil_me)
+                self.rank, fn, op, pre, post, out, self._gil_addr, self._gil_me)
             self._fp_unwritten = False
             if self._settle(step0, nsub, done, r, fp_addr):
                 return
             _consume(mode, src, byte_offset + done * sub, min(sub, nbytes - done * sub),
-                     srcs + done % STREAM_RING * sub, self.rank, op, pre, post, bf16, out,
+                     srcs, done % STREAM_RING * sub, self.rank, fn, op, pre, post, out,
                      done * sub, nbytes)
             k = done + 1
             if k >= nsub:
@@ -657,17 +669,19 @@ class Arena:
         """out[i] = the reduction (ops.ReduceSpec) in rank order of every rank's element
         at addrs[p] + offset + i * itemsize (addrs from exchange_buffer; mine may be `out`
         itself)."""
-        piece = max(1, PIECE_NBYTES // out.itemsize)
-        scratch = self._scratch_for(piece * out.itemsize)
-        peer, err = reduce_from_peers(self.single_copy, self._pid_arr, addrs, self.rank, out,
-                                      offset, scratch.view(out.dtype), piece, spec.op,
-                                      spec.pre, spec.post, spec.kind == "bfloat16")
+        jit.once(_SINGLE_COPY, _warm_single_copy)
+        piece = max(1, PIECE_NBYTES // out.itemsize) * out.itemsize
+        scratch = self._scratch_for(piece)
+        peer, err = reduce_from_peers(self.single_copy, self._pid_arr, addrs, self.rank,
+                                      out.view(np.uint8), offset, scratch, piece, spec.fn,
+                                      spec.op, spec.pre, spec.post)
         if peer >= 0:
             raise self._read_error(peer, err)
 
     def gather_peers(self, peers, remote, local, nbytes):
         """Copy nbytes[k] bytes at remote[k] in rank peers[k]'s address space to local[k]
         (int64 arrays; the ranges were published with exchange_buffer)."""
+        jit.once(_SINGLE_COPY, _warm_single_copy)
         peer, err = gather_from_peers(self.single_copy, self._pid_arr, self.rank, peers,
                                       remote, local, nbytes)
         if peer >= 0:
@@ -718,6 +732,7 @@ class Arena:
         if target is None:
             target = self._step
         if self._known_min < target:
+            jit.once(_EXCHANGE, _warm_exchange)
             r = _wait_kernel(self._peer_posted, target, self._spins, YIELD_NS,
                              self._state_addr, self._gil_addr, self._gil_me)
             if r != -1:
@@ -731,6 +746,7 @@ class Arena:
     def _wait_slow(self, target, r):
         """The compiled tiers ran out (or saw my abort word): sleep with backoff, checking
         abort, peer liveness and the deadline before every sleep."""
+        jit.once(_EXCHANGE, _warm_exchange)  # wait_all_ge, called from Python below
         sleep_s = SLEEP_MIN_S
         while True:
             if r == -2 or self._mine[W_STATE * LINE_WORDS] != STATE_LIVE:
@@ -862,45 +878,84 @@ class Arena:
         return self._is_alive(peer)
 
 
-# Storage dtypes slots carry (ops.DTYPES storages, plus uint8 for byte-moving collectives).
-_STORAGE = (np.uint8, np.int8, np.int16, np.uint16, np.int32, np.int64, np.float32, np.float64,
-            np.complex64, np.complex128)
+def warm_up():
+    """Compile (or load from numba's cache) every protocol kernel (warmup.py)."""
+    for what, build in _KERNEL_SETS:
+        jit.once(what, build)
 
 
-def warm_up(storage=_STORAGE):
-    """Compile (or load from numba's cache) the exchange kernels for these storage dtypes,
-    with exactly the argument types Arena passes (warmup.py); returns nothing."""
+# The protocol kernels, in sets compiled on first use (jit.once), with exactly the argument
+# types Arena passes. They move bytes, so one compilation serves every dtype (a reduction
+# is a call through ops.ReduceSpec.fn). An Arena loads the one-step kernel when it is made (a group's warm-up does it earlier, during the rendezvous); the others
+# load when a collective first needs them (cold: 0.1-0.4 s each, 2-core VM).
+
+def _dummies():
+    """Arguments that make each kernel return at once (no peers, nothing to move)."""
     words = np.zeros(LINE_WORDS, np.int64)
     w = words.ctypes.data
-    none = np.zeros(0, np.int64)
-    srcs = np.array([w], np.int64)
     cfg = np.zeros(_CFG_FP0 + 1, np.int64)
     cfg[[_CFG_POSTED, _CFG_STATE, _CFG_SEQ, _CFG_FP0]] = (w + 8, w + 16, w, w + 24)
-    tab = np.zeros((2 + FP_RING, 0), np.int64)
-    plan = np.zeros(8, np.int64)
-    for dt in storage:
-        a = np.zeros(1, dt)
-        fp = (0, 0, 0, 0, 0, 0, 0, 0)
-        _exchange_kernel(a, 0, 0, 0, 0, *fp, w, 0, w + 8, 0, none, none, none, 0, 0, w + 16,
-                         True, 0, 0)
-        _stream_kernel(STREAM_REDUCE, a, 0, 0, 64, 0, 0, 0, *fp, w, 0, w + 8, 0, none, none,
-                       none, 0, 0, w + 16, True, srcs, 0, 0, 1.0, 1.0, False, _NO_BYTES, 0, 0)
-        _two_shot_kernel(a[:0], 64, 0, 0, 0, *fp, w, 0, w + 8, 0, none, none, none, 0, 0,
-                         w + 16, True, srcs, 0, 0, 1.0, 1.0, False, 0, 0)
-        _two_shot_consume(0, a[:0], 64, srcs, 0, 0, 1.0, 1.0, False)
-        _reduce_chunk(a, 0, 0, srcs, 0, 0, 1.0, 1.0, False)
-        for mode in (ONE_STEP_REDUCE, ONE_STEP_BROADCAST, ONE_STEP_GATHER,
-                     ONE_STEP_REDUCE_SCATTER):
-            _one_step_kernel(mode, a[:0], _NO_BYTES, cfg, tab, srcs, plan, 1.0, 1.0, 0, 0,
-                             -1)
-        reduce_from_peers(CMA, none, srcs, 0, a[:0], 0, a, 1, 0, 1.0, 1.0, False)
+    return (words, w, np.zeros(0, np.int64), np.array([w], np.int64), cfg,
+            np.zeros((2 + FP_RING, 0), np.int64), np.zeros(1, np.uint8), (0,) * FP_WORDS)
+
+
+def _warm_one_step():
+    words, w, none, srcs, cfg, tab, a, fp = _dummies()
+    _one_step_kernel(ONE_STEP_REDUCE, a[:0], _NO_BYTES, cfg, tab, srcs, np.zeros(8, np.int64),
+                     1.0, 1.0, 0, 0, -1)
+    _one_step_consume(ONE_STEP_BROADCAST, a[:0], _NO_BYTES, srcs, 0, 0, 0, 0, 1.0, 1.0)
+
+
+def _warm_exchange():
+    words, w, none, srcs, cfg, tab, a, fp = _dummies()
     _wait_kernel(none, 0, 0, 0, w + 16, 0, 0)
+    wait_all_ge(none, 0, 0, 0, w + 16)
+    _exchange_kernel(a, 0, 0, 0, 0, *fp, w, 0, w + 8, 0, none, none, none, 0, 0, w + 16,
+                     True, 0, 0)
+
+
+def _warm_stream():
+    words, w, none, srcs, cfg, tab, a, fp = _dummies()
+    _stream_kernel(STREAM_REDUCE, a, 0, 0, 64, 0, 0, 0, *fp, w, 0, w + 8, 0, none, none, none,
+                   0, 0, w + 16, True, srcs, 0, 0, 0, 1.0, 1.0, _NO_BYTES, 0, 0)
+    _consume(STREAM_REDUCE, a, 0, 0, srcs, 0, 0, 0, 0, 1.0, 1.0, _NO_BYTES, 0, 0)
+
+
+def _warm_two_shot():
+    words, w, none, srcs, cfg, tab, a, fp = _dummies()
+    _two_shot_kernel(a[:0], 1, 64, 0, 0, 0, *fp, w, 0, w + 8, 0, none, none, none, 0, 0,
+                     w + 16, True, srcs, 0, 0, 0, 1.0, 1.0, 0, 0)
+    _two_shot_consume(0, a[:0], 1, 64, srcs, 0, 0, 0, 1.0, 1.0)
+
+
+def _warm_single_copy():
+    words, w, none, srcs, cfg, tab, a, fp = _dummies()
+    reduce_from_peers(CMA, none, srcs, 0, a[:0], 0, a, 1, 0, 0, 1.0, 1.0)
     gather_from_peers(CMA, none, 0, none, none, none, none)
+
+
+_ONE_STEP = "shmcoll's one-step kernel"
+_EXCHANGE = "shmcoll's exchange and wait kernels"
+_STREAM = "shmcoll's streaming kernels"
+_TWO_SHOT = "shmcoll's two-shot kernels"
+_SINGLE_COPY = "shmcoll's single-copy kernels"
+_KERNEL_SETS = ((_ONE_STEP, _warm_one_step), (_EXCHANGE, _warm_exchange),
+                (_STREAM, _warm_stream), (_TWO_SHOT, _warm_two_shot),
+                (_SINGLE_COPY, _warm_single_copy))
+
+
+def warm_up_one_step():
+    """The one-step kernel (small collectives), once per process."""
+    jit.once(_ONE_STEP, _warm_one_step)
 
 
 _FP_PAD = [[0] * (FP_WORDS - n) for n in range(FP_WORDS + 1)]
 _NO_FP = [0] * FP_WORDS
 _NO_BYTES = np.zeros(0, np.uint8)
+# Arguments of compiled calls between kernels: numba types a literal int argument as its
+# own Literal type and compiles the callee once more for it (0.1-0.2 s each when cold);
+# numpy scalars type as plain int64.
+_ZERO, _DONE = np.int64(0), np.int64(-1)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -920,38 +975,45 @@ def _exchange_kernel(src, byte_offset, nbytes, dst, fp_addr, f0, f1, f2, f3, f4,
 def _one_step_kernel(mode, src, out, cfg, peer_tab, srcs, plan, pre, post, seq, step, root):
     """Arena.one_step's compiled body: _exchange_steps (copy src into my slot of `srcs`
     unless I am a broadcast's non-root, write fingerprint [seq, step - 1, *plan[:6]], post
-    `step`, wait, check), then, when that returned -1, _one_step_consume. Returns
-    _exchange_steps' code."""
+    `step`, wait, check), then, when that returned -1, _one_step_consume (reducer
+    plan[7], op plan[6]). Returns _exchange_steps' code."""
     rank = cfg[_CFG_RANK]
     spins = cfg[_CFG_SPINS]
     _gil_enter(cfg[_CFG_GIL], cfg[_CFG_GIL_ME])
     k = seq % FP_RING
     nbytes = src.nbytes if root < 0 or root == rank else 0
-    r = _exchange_steps(src, 0, nbytes, srcs[rank], cfg[_CFG_FP0] + k * LINE_NBYTES,
+    r = _exchange_steps(src, _ZERO, nbytes, srcs[rank], cfg[_CFG_FP0] + k * LINE_NBYTES,
                         seq, step - 1, plan[0], plan[1], plan[2], plan[3], plan[4], plan[5],
                         cfg[_CFG_SEQ], seq, cfg[_CFG_POSTED], step, peer_tab[_PEER_POSTED],
                         peer_tab[_PEER_FP0 + k], peer_tab[_PEER_STATE], spins,
                         cfg[_CFG_YIELD_NS], cfg[_CFG_STATE], cfg[_CFG_VERIFY] != 0)
     if r == -1:
-        _one_step_consume(mode, src, out, srcs, rank, root, plan[6], pre, post, plan[7] != 0)
+        _one_step_consume(mode, src, out, srcs, rank, root, plan[7], plan[6], pre, post)
     _gil_leave(cfg[_CFG_GIL], cfg[_CFG_GIL_ME], r, spins)
     return r
 
 
 @numba.njit(nogil=True, cache=True)
-def _one_step_consume(mode, src, out, srcs, rank, root, op, pre, post, bf16):
+def _one_step_consume(mode, src, out, srcs, rank, root, fn, op, pre, post):
     """The work after Arena.one_step's wait, per mode (every rank's copy is in its slot
-    of `srcs`, at offset 0)."""
+    of `srcs`, at offset 0; `fn` reduces). The same work as _consume's for one sub-chunk,
+    written out: calling _consume would compile it into the one-step kernel (~0.15 s more
+    for a cold first collective)."""
+    nbytes = src.nbytes
     if mode == ONE_STEP_REDUCE:
-        _reduce_chunk(src, 0, src.nbytes, srcs, rank, op, pre, post, bf16)
-    elif mode == ONE_STEP_GATHER:
-        _consume(STREAM_GATHER, src, 0, src.nbytes, srcs, rank, op, pre, post, bf16, out, 0,
-                 src.nbytes)
-    elif mode == ONE_STEP_REDUCE_SCATTER:  # block `rank` of every rank's slot, typed like src
-        reduce_any(view_like(out.ctypes.data, 0, out.nbytes // src.itemsize, src),
-                   srcs + rank * out.nbytes, op, pre, post, bf16)
+        if nbytes > 0:  # my own contribution from src: see _consume
+            call_reduce(fn, src.ctypes.data, srcs.ctypes.data, srcs.shape[0], 0, rank, nbytes,
+                        op, pre, post)
+    elif mode == ONE_STEP_GATHER:  # rank j's copy to out[j * nbytes:]; mine from src
+        for j in range(srcs.shape[0]):
+            copy_bytes(out.ctypes.data + j * nbytes, src.ctypes.data if j == rank else srcs[j],
+                       nbytes)
+    elif mode == ONE_STEP_REDUCE_SCATTER:  # block `rank` of every rank's slot
+        if out.nbytes > 0:
+            call_reduce(fn, out.ctypes.data, srcs.ctypes.data, srcs.shape[0], rank * out.nbytes,
+                        -1, out.nbytes, op, pre, post)
     elif rank != root:
-        copy_bytes(src.ctypes.data, srcs[root], src.nbytes)
+        copy_bytes(src.ctypes.data, srcs[root], nbytes)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -1047,8 +1109,8 @@ def _exchange_steps(src, byte_offset, nbytes, dst, fp_addr, f0, f1, f2, f3, f4, 
 @numba.njit(nogil=True, cache=True)
 def _stream_kernel(mode, src, byte_offset, nbytes, sub, k0, dst, fp_addr, f0, f1, f2, f3, f4,
                    f5, f6, f7, seq_addr, seq, posted_addr, step0, peer_posted, peer_fp,
-                   peer_state, spins, yield_ns, abort_addr, verify, srcs, rank, op, pre, post,
-                   bf16, out, gil_addr, gil_me):
+                   peer_state, spins, yield_ns, abort_addr, verify, srcs, rank, fn, op, pre,
+                   post, out, gil_addr, gil_me):
     """Arena._stream's body from sub-chunk k0 on: for each sub-chunk k, the
     _exchange_kernel steps (posting step0 + k + 1; the fingerprint with sub-chunk 0), then
     _consume. Returns (k, code): (count, -1) when all are done, else the sub-chunk whose
@@ -1066,16 +1128,17 @@ def _stream_kernel(mode, src, byte_offset, nbytes, sub, k0, dst, fp_addr, f0, f1
         if r != -1:
             _gil_leave(gil_addr, gil_me, r, spins)
             return k, r
-        _consume(mode, src, byte_offset + off, m, srcs + ring, rank, op, pre, post, bf16, out,
-                 off, nbytes)
-    _gil_leave(gil_addr, gil_me, -1, spins)
+        _consume(mode, src, byte_offset + off, m, srcs, ring, rank, fn, op, pre, post, out, off,
+                 nbytes)
+    _gil_leave(gil_addr, gil_me, _DONE, spins)
     return nsub, -1
 
 
 @numba.njit(nogil=True, cache=True)
-def _two_shot_kernel(buf, sub, p0, dst, fp_addr, f0, f1, f2, f3, f4, f5, f6, f7, seq_addr, seq,
-                     posted_addr, step0, peer_posted, peer_fp, peer_state, spins, yield_ns,
-                     abort_addr, verify, srcs, rank, op, pre, post, bf16, gil_addr, gil_me):
+def _two_shot_kernel(buf, size, sub, p0, dst, fp_addr, f0, f1, f2, f3, f4, f5, f6, f7,
+                     seq_addr, seq, posted_addr, step0, peer_posted, peer_fp, peer_state,
+                     spins, yield_ns, abort_addr, verify, srcs, rank, fn, op, pre, post,
+                     gil_addr, gil_me):
     """Arena.exchange_reduce_two_shot's body from step p0 on: step 2k copies sub-chunk k
     into its sub-slot (with the fingerprint at step 0), step 2k + 1 only posts; each step
     waits for every peer, then _two_shot_consume. Returns (count, -1) when all are done,
@@ -1094,18 +1157,18 @@ def _two_shot_kernel(buf, sub, p0, dst, fp_addr, f0, f1, f2, f3, f4, f5, f6, f7,
         if r != -1:
             _gil_leave(gil_addr, gil_me, r, spins)
             return p, r
-        _two_shot_consume(p, buf, sub, srcs, rank, op, pre, post, bf16)
-    _gil_leave(gil_addr, gil_me, -1, spins)
+        _two_shot_consume(p, buf, size, sub, srcs, rank, fn, op, pre, post)
+    _gil_leave(gil_addr, gil_me, _DONE, spins)
     return nphase, -1
 
 
 @numba.njit(nogil=True, cache=True)
-def _two_shot_consume(p, buf, sub, srcs, rank, op, pre, post, bf16):
-    """The work after step p's wait. Even step (sub-chunk k = p // 2 in every sub-slot):
-    reduce my slice of it, in rank order, into buf -- my own contribution read from buf,
-    still in cache from the copy-in -- and publish the result in my sub-slot. Odd step:
-    copy every peer's reduced slice from its sub-slot into buf."""
-    size = buf.itemsize
+def _two_shot_consume(p, buf, size, sub, srcs, rank, fn, op, pre, post):
+    """The work after step p's wait (`buf`: bytes of `size`-byte elements). Even step
+    (sub-chunk k = p // 2 in every sub-slot): reduce my slice of it, in rank order, into
+    buf -- my own contribution read from buf, still in cache from the copy-in -- and
+    publish the result in my sub-slot. Odd step: copy every peer's reduced slice from its
+    sub-slot into buf."""
     k = p // 2
     off = k * sub
     ring = k % STREAM_RING * sub
@@ -1115,11 +1178,10 @@ def _two_shot_consume(p, buf, sub, srcs, rank, op, pre, post, bf16):
     if p % 2 == 0:
         lo, hi = n * rank // world, n * (rank + 1) // world
         if hi > lo:
-            out = buf[base + lo:base + hi]
-            addrs = srcs + (ring + lo * size)
-            addrs[rank] = out.ctypes.data
-            reduce_any(out, addrs, op, pre, post, bf16)
-            copy_bytes(srcs[rank] + ring + lo * size, out.ctypes.data, (hi - lo) * size)
+            out = buf.ctypes.data + (base + lo) * size
+            call_reduce(fn, out, srcs.ctypes.data, world, ring + lo * size, rank,
+                        (hi - lo) * size, op, pre, post)
+            copy_bytes(srcs[rank] + ring + lo * size, out, (hi - lo) * size)
         return
     for j in range(world):
         lo, hi = n * j // world, n * (j + 1) // world
@@ -1129,31 +1191,23 @@ def _two_shot_consume(p, buf, sub, srcs, rank, op, pre, post, bf16):
 
 
 @numba.njit(nogil=True, cache=True)
-def _consume(mode, src, byte_offset, nbytes, srcs, rank, op, pre, post, bf16, out, out_offset,
-             stride):
-    """Use every rank's copy of one sub-chunk (`srcs`: their sub-slots, mine included).
-    STREAM_REDUCE: _reduce_chunk into src. STREAM_GATHER: rank j's copy goes to
-    out[j * stride + out_offset:][:nbytes]; mine straight from src (in cache from the
-    copy-in) rather than from my sub-slot."""
+def _consume(mode, src, byte_offset, nbytes, srcs, ring, rank, fn, op, pre, post, out,
+             out_offset, stride):
+    """Use every rank's copy of one sub-chunk (at srcs[j] + ring: their sub-slots, mine
+    included). STREAM_REDUCE: src[chunk] = the reduction (reducer `fn`) of every rank's
+    copy, in rank order, reading my own contribution from src itself rather than from my
+    sub-slot: the same bytes (I copied them there), but still in cache from the copy-in,
+    so only the peers' sub-slots cost a cross-core transfer (one read less per byte from
+    memory for large messages). STREAM_GATHER: rank j's copy goes to
+    out[j * stride + out_offset:][:nbytes]; mine straight from src, for the same reason."""
     if mode == STREAM_REDUCE:
-        _reduce_chunk(src, byte_offset, nbytes, srcs, rank, op, pre, post, bf16)
+        if nbytes > 0:
+            call_reduce(fn, src.ctypes.data + byte_offset, srcs.ctypes.data, srcs.shape[0],
+                        ring, rank, nbytes, op, pre, post)
         return
     base = out.ctypes.data + out_offset
     for j in range(srcs.shape[0]):
         if j == rank:
             copy_bytes(base + j * stride, src.ctypes.data + byte_offset, nbytes)
         else:
-            copy_bytes(base + j * stride, srcs[j], nbytes)
-
-
-@numba.njit(nogil=True, cache=True)
-def _reduce_chunk(src, byte_offset, nbytes, srcs, rank, op, pre, post, bf16):
-    """src[chunk] = reduction of every rank's copy of the chunk, in rank order, reading my
-    own contribution from src itself rather than from my slot: the same bytes (I copied
-    them there), but still in cache from the copy-in, so only the peers' slots cost a
-    cross-core transfer (one read less per byte from memory for large messages)."""
-    lo = byte_offset // src.itemsize
-    out = src[lo:lo + nbytes // src.itemsize]
-    mine = srcs.copy()
-    mine[rank] = out.ctypes.data
-    reduce_any(out, mine, op, pre, post, bf16)
+            copy_bytes(base + j * stride, srcs[j] + ring, nbytes)

@@ -55,5 +55,5 @@ def new_shm_group(store, rank, world_size, timeout_s=1800.0, cfg=None, name="",
                   aborter=p2p.abort, single_copy_always=cfg.single_copy == "always",
                   small_pages=regions.small_pages)
     group.attach_p2p(p2p)
-    wait_ready()  # see warmup.py: a loader beside the first collectives slows them
+    wait_ready(timeout_s)  # see warmup.py: a loader beside the first collectives slows them
     return group

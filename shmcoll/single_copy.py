@@ -37,7 +37,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .atomics import copy_bytes
-from .kernels import reduce_any
+from .kernels import call_reduce
 
 __all__ = ["NONE", "IN_PROCESS", "CMA", "PIECE_NBYTES", "peer_read", "probe", "fetch",
            "reduce_from_peers", "gather_from_peers", "errno_text"]
@@ -101,32 +101,33 @@ def fetch(mode, pid, local, remote, nbytes):
 
 
 @numba.njit(nogil=True, cache=True)
-def reduce_from_peers(mode, pids, addrs, rank, out, offset, scratch, piece, op, pre, post,
-                      bf16):
-    """out[i] = the reduction, in rank order, of the element at addrs[p] + offset + i *
-    itemsize of every rank p (an address in p's own address space; addrs[rank] is mine, and
-    may be `out` itself: element-wise, so in place is fine), in pieces of `piece` elements.
-    IN_PROCESS reads peers in place; CMA fetches their pieces into `scratch` ((N - 1) *
-    piece elements of out's dtype) first. Returns (-1, 0), or (peer, -errno)."""
+def reduce_from_peers(mode, pids, addrs, rank, out, offset, scratch, piece, fn, op, pre,
+                      post):
+    """out[i] = the reduction (reducer `fn`, kernels.py), in rank order, of the bytes at
+    addrs[p] + offset + i of every rank p (an address in p's own address space; addrs[rank]
+    is mine, and may be `out` itself: element-wise, so in place is fine), in pieces of
+    `piece` bytes (whole elements; `out` is bytes too). IN_PROCESS reads peers in place;
+    CMA fetches their pieces into `scratch` ((N - 1) * piece bytes) first. Returns (-1, 0),
+    or (peer, -errno)."""
     world = addrs.shape[0]
-    size = out.itemsize
     srcs = np.empty(world, np.int64)
     s = 0
     while s < out.size:
         e = min(out.size, s + piece)
-        at = offset + s * size
+        at = offset + s
         k = 0
         for p in range(world):
             if p == rank or mode == IN_PROCESS:
                 srcs[p] = addrs[p] + at
             else:
-                dst = scratch.ctypes.data + k * piece * size
-                r = fetch(mode, pids[p], dst, addrs[p] + at, (e - s) * size)
+                dst = scratch.ctypes.data + k * piece
+                r = fetch(mode, pids[p], dst, addrs[p] + at, e - s)
                 if r < 0:
                     return p, r
                 srcs[p] = dst
                 k += 1
-        reduce_any(out[s:e], srcs, op, pre, post, bf16)
+        call_reduce(fn, out.ctypes.data + s, srcs.ctypes.data, world, 0, -1, e - s, op, pre,
+                    post)
         s = e
     return -1, 0
 

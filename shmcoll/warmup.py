@@ -1,15 +1,20 @@
 """Compile (or load from numba's cache) kernels once, off the first collective's path.
 
-`python -m shmcoll.warmup` compiles every kernel for every dtype into the on-disk cache (the
-README commands run it after install: ~15 s once per machine and numba version).
+`python -m shmcoll.warmup` compiles every kernel for every dtype into numba's cache (~10 s
+on the 2-core VM, once per machine, Python and numba version); nothing needs it, but it
+takes the cold start (docs/COLD_START.md) out of a first job, e.g. in a container image.
 
 Every group starts `warm_up_async()` at creation, overlapping the store rendezvous, and
-waits for it before it returns: it loads the float32/float64 and byte kernels (~0.4 s from
-the cache), what nearly every first collective needs. Other dtypes load on their first use
-(numba reads their cache entry then, ~10-50 ms). Nothing keeps loading in the background
-after the group is ready: loading holds the GIL and a core, and a loader running beside
-the first collectives made them 3-30x slower for the first half second (a benchmark's
-small sizes, a training loop's first steps; worst with more ranks than cores).
+waits for it (at most the group's timeout) before it returns: it loads the one-step kernel
+(small collectives; it moves bytes, the same for every dtype) and the float32 sum reducer,
+what nearly every first collective needs; cold, it compiles them (~1-1.5 s). The other
+kernels load (or compile, 0.1-0.5 s each) on their first use. Nothing keeps loading in the background after the group is ready: loading holds the
+GIL and a core, and a loader running beside the first collectives made them 3-30x slower
+for the first half second (a benchmark's small sizes, a training loop's first steps; worst
+with more ranks than cores).
+
+All compilation runs under jit.compiling: the ranks of a job never compile the same kernel
+at the same time.
 """
 
 import threading
@@ -17,41 +22,33 @@ import time
 
 import numpy as np
 
-from . import kernels, protocol
-from .atomics import read_acquire, wait_all_ge, wait_any_ge, write_release
+from . import atomics, kernels, p2p, protocol
 
-__all__ = ["warm_up", "warm_up_async", "wait_ready", "FIRST_KINDS"]
+__all__ = ["warm_up", "warm_up_async", "wait_ready", "FIRST_REDUCERS"]
 
-FIRST_KINDS = ("float",)  # float32 and float64: what a first collective nearly always uses
-_ALL_KINDS = (["float"], ["bfloat16", "float16"], ["int", "bool", "complex"])
+# (kind, storage, kernel op): what a first collective nearly always reduces
+FIRST_REDUCERS = (("float", np.float32, kernels.OP_SUM),)
 
 _lock = threading.Lock()
-_loaded = set()  # kinds whose kernels are loaded in this process
 _ready = threading.Event()
 
 
-def warm_up(kinds=None):
-    """Load/compile the atomics and the kernels of `kinds` (default: every kind), in
-    order of likely use; returns seconds spent."""
+def warm_up(reducers=None):
+    """Load/compile the small collectives' protocol kernels and `reducers` ((kind, storage,
+    kernel op) triples); by default every kernel: every protocol kernel, every dtype's
+    reducers and the point-to-point kernels. Returns the seconds spent."""
     t0 = time.perf_counter()
     with _lock:
         try:
-            if not _loaded:
-                word = np.zeros(2, np.int64)
-                write_release(word.ctypes.data, 1)
-                read_acquire(word.ctypes.data)
-                wait_all_ge(np.array([word.ctypes.data], np.int64), 0, 1, 1,
-                            word.ctypes.data + 8)
-                wait_any_ge(np.array([word.ctypes.data], np.int64), np.zeros(1, np.int64),
-                            1, 1, word.ctypes.data + 8)
-                protocol.warm_up([np.uint8])  # broadcast/gather kernels move bytes
-            groups = _ALL_KINDS if kinds is None else [[k] for k in kinds]
-            for group in groups:
-                todo = [k for k in group if k not in _loaded]
-                if todo:
-                    kernels.warm_up(todo)
-                    protocol.warm_up([np.dtype(d).type for k in todo for d in kernels.KINDS[k]])
-                    _loaded.update(todo)
+            atomics.warm_up()
+            protocol.warm_up_one_step()
+            if reducers is None:
+                protocol.warm_up()
+                kernels.warm_up()
+                p2p.ensure_kernels()
+            else:
+                for kind, storage, op in reducers:
+                    kernels.reducer(storage, kind, op)
         finally:
             _ready.set()  # a failed warm-up must not block group creation
     return time.perf_counter() - t0
@@ -63,8 +60,8 @@ def wait_ready(timeout_s=None):
 
 
 def warm_up_async():
-    """Start warm_up(FIRST_KINDS) in a daemon thread; returns the thread."""
-    thread = threading.Thread(target=warm_up, args=(FIRST_KINDS,), name="shmcoll-warmup",
+    """Start warm_up(FIRST_REDUCERS) in a daemon thread; returns the thread."""
+    thread = threading.Thread(target=warm_up, args=(FIRST_REDUCERS,), name="shmcoll-warmup",
                               daemon=True)
     thread.start()
     return thread

@@ -37,13 +37,13 @@ from . import sparse as _sparse
 from .convert import as_array, reduce_op, timeout_s, to_seconds
 from .fast import (all_gather_single_inline, allreduce_inline, broadcast_inline,
                    reduce_scatter_single_inline)
+from .monitored_barrier import monitored_barrier_peer, monitored_barrier_root
 from .p2p import P2PMixin
 from .work import CompletedWork, Executor, Job, ShmWork, torch_error
 
 __all__ = ["EngineProcessGroup", "ProcessGroupShm", "ShmOptions"]
 
 DEFAULT_TIMEOUT_S = 1800.0  # torch's default_pg_timeout for non-NCCL backends
-_MB_POLL_MAX_S = 0.01  # monitored_barrier: store polling interval ceiling
 
 
 def _tensor_list(x):
@@ -904,7 +904,13 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
         """gloo's monitoredBarrier: rank 0 waits for every other rank (through the store,
         independent of queued collectives) and names the ranks that did not arrive in time:
         "Rank 1 failed to pass monitoredBarrier in 1000 ms" (with wait_all_ranks: every
-        such rank, "Ranks 1, 2 failed ..."); the others then fail too. Synchronous."""
+        such rank, "Ranks 1, 2 failed ..."); the others then fail too. Synchronous.
+
+        Rank 0 checks in gloo's order (ProcessGroupGloo::monitoredBarrier): before waiting
+        for each rank, unless wait_all_ranks, the time left in whole ms; none left raises
+        "Rank 0 timed out in monitoredBarrier after N ms." naming the ranks processed so
+        far. Only rank 0 enforces the timeout (so it reports which rank is late); the
+        others wait up to the group's timeout, and fail at once when rank 0 fails."""
         if self._closed:
             raise self._closed_error("monitoredBarrier")
         t_s = self.group.timeout_s if timeout is None else to_seconds(timeout)
@@ -918,30 +924,17 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
         if self._store is None:
             self.barrier(timeout=datetime.timedelta(seconds=t_s)).wait()
             return None
-        store = self._store
         base = f"shmcoll/monitored_barrier/{n}"
-        deadline = time.monotonic() + t_s
         if rank != 0:
-            store.set(f"{base}/arrived/{rank}", "1")
-            if not _store_wait(store, f"{base}/ack/{rank}", deadline):
-                raise torch_error(RuntimeError(
-                    f"[Rank {rank}] Rank {rank} successfully reached monitoredBarrier, but "
-                    f"received errors while waiting for send/recv from rank 0. Please check "
-                    f"rank 0 logs for faulty rank (waited {ms} ms)."))
-            return None
-        failed = []
-        for r in range(1, size):
-            if not _store_wait(store, f"{base}/arrived/{r}", deadline):
-                if not wait_all_ranks:
-                    raise torch_error(RuntimeError(
-                        f"[Rank 0]: Rank {r} failed to pass monitoredBarrier in {ms} ms"))
-                failed.append(r)
-        if failed:
-            raise torch_error(RuntimeError(
-                f"[Rank 0]: Ranks {', '.join(map(str, failed))} failed to pass "
-                f"monitoredBarrier in {ms} ms"))
-        for r in range(1, size):
-            store.set(f"{base}/ack/{r}", "1")
+            monitored_barrier_peer(self._store, base, rank, self.group.timeout_s,
+                                   self.group.is_peer_alive)
+        else:
+            try:
+                monitored_barrier_root(self._store, base, size, ms, wait_all_ranks,
+                                       self.group.is_peer_alive)
+            except RuntimeError:
+                self._store.set(f"{base}/failed", "1")  # the others fail now, not at timeout
+                raise
         return None
 
     # -- coalescing ----------------------------------------------------------------------
@@ -1096,20 +1089,6 @@ class _StridedChunks:
 _REDUCIBLE = {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
               torch.complex128, torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64,
               torch.bool}
-
-
-def _store_wait(store, key, deadline):
-    """Poll `store` for `key` until `deadline` (monotonic); True once it exists. One check
-    is always made, so a key already set is found even after the deadline."""
-    sleep_s = 1e-3
-    while True:
-        if store.check([key]):
-            return True
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return False
-        time.sleep(min(sleep_s, remaining))
-        sleep_s = min(sleep_s * 2, _MB_POLL_MAX_S)
 
 
 def _write_bytes(dst, src_bytes):

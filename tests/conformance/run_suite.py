@@ -43,6 +43,8 @@ SUITE_FILE = os.path.join(HERE, "_suite.py")
 MODES = ("shm", "gloo_plugin", "shm_as_gloo", "gloo_as_gloo", "gloo")
 SUITE_BACKEND = {"shm": "shm", "gloo_plugin": "gloo_plugin",
                  "shm_as_gloo": "gloo", "gloo_as_gloo": "gloo", "gloo": "gloo"}
+# A subset file's "@as-gloo" section runs in the stand-in mode of the plugin it names.
+AS_GLOO = {"shm": "shm_as_gloo", "gloo_plugin": "gloo_as_gloo"}
 # beyond the in-suite timeout, before the runner kills pytest (env override for testing)
 WATCHDOG_GRACE_S = int(os.environ.get("SHMCOLL_CONF_WATCHDOG_GRACE", "60"))
 HEARTBEAT_S = 60
@@ -170,22 +172,27 @@ def test_name(nodeid: str) -> str:
     return nodeid.rsplit("::", 1)[-1]
 
 
-def read_subset(path: str) -> tuple[list[str], dict]:
+def read_subset(path: str) -> tuple[list[str], dict, list[str]]:
     """Test names, one per line ('#' comments).  Directive lines set defaults that the
-    command line overrides: '@features a,b,c' and '@start-method spawn|forkserver'."""
-    names, directives = [], {}
+    command line overrides: '@features a,b,c' and '@start-method spawn|forkserver'.  The
+    names after an '@as-gloo' line are the third value: tests gated on the literal backend
+    name "gloo", run in the plugin's stand-in mode (AS_GLOO; README "Stand-in mode")."""
+    names, directives, as_gloo = [], {}, []
+    section = names
     with open(path) as f:
         for ln in f:
             ln = ln.split("#", 1)[0].strip()
-            if ln.startswith("@"):
+            if ln == "@as-gloo":
+                section = as_gloo
+            elif ln.startswith("@"):
                 key, _, val = ln[1:].partition(" ")
                 directives[key.strip()] = val.strip().replace(" ", "")
             elif ln:
-                names.append(ln)
+                section.append(ln)
     unknown = set(directives) - {"features", "start-method"}
     if unknown:
         raise SystemExit(f"{path}: unknown directive(s) {sorted(unknown)}")
-    return names, directives
+    return names, directives, as_gloo
 
 
 # ------------------------------------------------------------------- execution
@@ -379,6 +386,40 @@ def shm_entries() -> set[str]:
         return set()
 
 
+def _run_pass(args, names, work, ini, logdir, results, tally) -> int:
+    """Preflight, collect and run the tests `names` (None: all) in mode args.backend,
+    adding to `results` and `tally`; 0, or 3 on a setup error (recorded in tally)."""
+    env = base_env(args, os.path.join(work, "collect_tmp"))
+    os.makedirs(env["TEMP_DIR"], exist_ok=True)
+    err = preflight(args, env)
+    if err:
+        tally["setup_error"] = f"backend {args.backend!r} is not usable:\n{err}"
+        log(tally["setup_error"])
+        return 3
+    ids, err = collect(args, env, ini)
+    if err:
+        tally["setup_error"] = f"collection failed:\n{err}"
+        log(tally["setup_error"])
+        return 3
+    if names is not None:
+        by_name = {test_name(i): i for i in ids}
+        missing = [n for n in names if n not in by_name]
+        if missing:
+            log(f"subset names not in the suite (ignored): {missing}")
+            tally.setdefault("subset_missing", []).extend(missing)
+        ids = [by_name[n] for n in names if n in by_name]
+    tally["selected"] = tally.get("selected", 0) + len(ids)
+    if args.list:
+        print("\n".join(test_name(i) for i in ids))
+        return 0
+    log(f"{len(ids)} tests, backend={args.backend} "
+        f"(BACKEND={SUITE_BACKEND[args.backend]}), world_size={args.world_size}, "
+        f"features={args.features}, jobs={args.jobs}, start={args.start_method}, "
+        f"timeout={args.timeout_per_test}s, logs: {logdir}")
+    run_tests(args, env, ini, ids, results, logdir)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tests.conformance.run_suite",
                                  description=__doc__.split("\n\n")[0])
@@ -409,9 +450,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.world_size < 2:
         ap.error("--world-size must be >= 2")
-    subset_names = None
+    subset_names, as_gloo_names = None, []
     if args.subset:
-        subset_names, directives = read_subset(args.subset)
+        subset_names, directives, as_gloo_names = read_subset(args.subset)
         if args.features is None:
             args.features = directives.get("features")
         if args.start_method is None:
@@ -437,9 +478,6 @@ def main(argv=None) -> int:
     ini = os.path.join(work, "pytest.ini")
     with open(ini, "w") as f:  # isolates us from any project pytest config/addopts
         f.write("[pytest]\naddopts =\n")
-    env = base_env(args, os.path.join(work, "collect_tmp"))
-    os.makedirs(env["TEMP_DIR"], exist_ok=True)
-
     tally = {
         "backend": args.backend,
         "suite_backend": SUITE_BACKEND[args.backend],
@@ -462,35 +500,17 @@ def main(argv=None) -> int:
             tally["torch"] = version("torch")
         except Exception:
             tally["torch"] = None
-        err = preflight(args, env)
-        if err:
-            tally["setup_error"] = f"backend {args.backend!r} is not usable:\n{err}"
-            log(tally["setup_error"])
-            rc = 3
-        else:
-            ids, err = collect(args, env, ini)
-            if err:
-                tally["setup_error"] = f"collection failed:\n{err}"
-                log(tally["setup_error"])
-                rc = 3
-            else:
-                if args.subset:
-                    wanted = subset_names
-                    by_name = {test_name(i): i for i in ids}
-                    missing = [n for n in wanted if n not in by_name]
-                    if missing:
-                        log(f"subset names not in the suite (ignored): {missing}")
-                        tally["subset_missing"] = missing
-                    ids = [by_name[n] for n in wanted if n in by_name]
-                tally["selected"] = len(ids)
-                if args.list:
-                    print("\n".join(test_name(i) for i in ids))
-                    return 0
-                log(f"{len(ids)} tests, backend={args.backend} "
-                    f"(BACKEND={SUITE_BACKEND[args.backend]}), world_size={args.world_size}, "
-                    f"features={args.features}, jobs={args.jobs}, start={args.start_method}, timeout={args.timeout_per_test}s, "
-                    f"logs: {logdir}")
-                run_tests(args, env, ini, ids, results, logdir)
+        passes = [(args.backend, subset_names)]
+        if as_gloo_names and args.backend in AS_GLOO:
+            passes.append((AS_GLOO[args.backend], as_gloo_names))
+            tally["as_gloo"] = {"backend": AS_GLOO[args.backend], "tests": as_gloo_names}
+        for mode, names in passes:
+            rc = _run_pass(argparse.Namespace(**dict(vars(args), backend=mode)), names,
+                           work, ini, logdir, results, tally)
+            if rc:
+                break
+        if args.list:
+            return 0
     except KeyboardInterrupt:
         log("interrupted; killing all spawned processes")
         tally["interrupted"] = True
