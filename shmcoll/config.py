@@ -29,6 +29,16 @@ class Config:
     # rank can (single_copy.py, algorithms.SINGLE_COPY_MIN); "off": always through the
     # slots; "always": single-copy at every size where it can (tests, measurements).
     single_copy: str = "auto"
+    # Several hosts (shmcoll/hier/): ranks with equal node ids form one node (shared memory
+    # inside it, gloo between nodes). "" = detect (boot id, /dev/shm identity, pid
+    # namespace, then a probe segment); any string overrides, e.g. to simulate nodes on one
+    # host or for setups detection gets wrong.
+    node_id: str = ""
+    # Hierarchical all_reduce: below this many bytes the node leaders alone talk to other
+    # nodes (intra reduce, leaders' exchange, intra broadcast); from it every local rank
+    # exchanges its 1/L shard (intra reduce-scatter, L parallel exchanges, intra
+    # all-gather). -1 = the default in hier/algorithms (HIER_SHARD_MIN_NBYTES).
+    hier_shard_min_nbytes: int = -1
 
 
 P2P_AUTO_REGION_NBYTES = 2 * MIB
@@ -52,6 +62,8 @@ _ENV = {
     "SHMCOLL_P2P_CELL_BYTES": ("p2p_cell_nbytes", int),
     "SHMCOLL_P2P_CELLS": ("p2p_cells", int),
     "SHMCOLL_SINGLE_COPY": ("single_copy", str),
+    "SHMCOLL_NODE_ID": ("node_id", str),
+    "SHMCOLL_HIER_SHARD_MIN_BYTES": ("hier_shard_min_nbytes", int),
 }
 
 

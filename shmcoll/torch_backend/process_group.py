@@ -923,7 +923,8 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
         # count and the member list do.
         store = dist.PrefixStore(f"shmcoll_split/{count}/{'_'.join(map(str, ranks))}/",
                                  self._store)
-        pg = ProcessGroupShm(store, ranks.index(self.rank()), len(ranks), options)
+        from .hier_pg import new_process_group  # one node: a ProcessGroupShm, else hier
+        pg = new_process_group(store, ranks.index(self.rank()), len(ranks), options)
         pg._set_group_name(name)
         if group_desc:
             pg._set_group_desc(group_desc)

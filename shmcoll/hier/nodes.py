@@ -1,0 +1,232 @@
+"""Which ranks of a group share a host: node discovery when a group is created.
+
+A *node* is a set of ranks that can map each other's POSIX shared memory. Ranks find their
+node through the group's store, in three rounds (keys under "shmcoll/nodes/<gen>/"):
+
+  1. every rank publishes its identity key and hostname ("id/<rank>")
+       key = "id:" + SHMCOLL_NODE_ID when set (any string; equal strings = one node, even
+             on one machine: simulated nodes, or setups detection gets wrong), else
+             "auto:" + boot id | st_dev:st_ino of /dev/shm | pid namespace inode.
+       The hostname is not part of the key: containers on different machines may share a
+       name (and containers on one machine sharing /dev/shm may not); the boot id tells
+       machines apart, the identity of the /dev/shm mount tells private mounts apart (each
+       tmpfs has its own device number), and the pid namespace keeps ranks together only
+       where they can see each other's pids (liveness checks use pidfds).
+  2. candidate nodes = equal keys. The lowest rank of each candidate node with peers
+     creates a probe segment (our usual name prefix, so the stale-segment GC knows it)
+     holding a random token, and publishes its name ("probe/<rank>").
+  3. every other member opens it and compares the token, publishing "ok/<rank>" = 1 / 0.
+     A member that cannot read its leader's probe becomes a node of its own (correct,
+     only slower). The leader unlinks the probe once its members have answered.
+
+Nodes are numbered by their lowest rank; ranks inside a node are ordered by rank (local
+rank 0 is the node's leader). All of this runs once per group, at creation: a group on one
+node then runs exactly the single-node engine.
+"""
+
+import datetime
+import os
+import secrets
+import socket
+import time
+from dataclasses import dataclass
+
+import posix_ipc
+
+from ..errors import SegmentError
+from ..shm import _wait_key, segment_prefix
+
+__all__ = ["NodeLayout", "identity", "discover"]
+
+_PROBE_NBYTES = 64
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    """node_of[r]: the node of group rank r; hosts[r]: its hostname (for messages)."""
+
+    node_of: tuple
+    hosts: tuple = ()
+
+    @classmethod
+    def from_keys(cls, keys, hosts=()):
+        """Ranks with equal keys share a node; nodes are numbered by their lowest rank."""
+        index = {}
+        node_of = tuple(index.setdefault(k, len(index)) for k in keys)
+        return cls(node_of, tuple(hosts) or ("?",) * len(keys))
+
+    @property
+    def world_size(self):
+        return len(self.node_of)
+
+    @property
+    def nodes(self):
+        """Members of every node, ascending, in node order."""
+        members = [[] for _ in range(max(self.node_of) + 1)]
+        for r, n in enumerate(self.node_of):
+            members[n].append(r)
+        return tuple(tuple(m) for m in members)
+
+    @property
+    def num_nodes(self):
+        return max(self.node_of) + 1
+
+    @property
+    def single_node(self):
+        return self.num_nodes == 1
+
+    @property
+    def even(self):
+        """Every node has the same number of ranks."""
+        return len({len(m) for m in self.nodes}) == 1
+
+    @property
+    def shards(self):
+        """S: the local ranks 0..S-1 exist on every node (the smallest node's size); local
+        rank l < S talks to other nodes through channel l."""
+        return min(len(m) for m in self.nodes)
+
+    def local_rank(self, rank):
+        return self.nodes[self.node_of[rank]].index(rank)
+
+    def rank_of(self, node, local):
+        return self.nodes[node][local]
+
+    def channel_members(self, local):
+        """Group ranks of channel `local` (local rank `local` of every node), node order."""
+        return tuple(m[local] for m in self.nodes)
+
+    def describe(self, rank):
+        """'rank 3 (node 1, host-b)' for messages."""
+        return f"rank {rank} (node {self.node_of[rank]}, {self.hosts[rank]})"
+
+    def describe_node(self, node):
+        ranks = ", ".join(map(str, self.nodes[node]))
+        return f"node {node} ({self.hosts[self.nodes[node][0]]}: ranks {ranks})"
+
+
+def identity(cfg):
+    """This process's node key (see the module docstring)."""
+    if cfg.node_id:
+        return "id:" + cfg.node_id
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "host=" + socket.gethostname()  # no boot id: the hostname must do
+    try:
+        st = os.stat(cfg.shm_dir)
+        shm = f"{st.st_dev}:{st.st_ino}"
+    except OSError:
+        shm = "no-shm"
+    try:
+        pidns = str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        pidns = "?"
+    return f"auto:{boot}|{shm}|{pidns}"
+
+
+def discover(store, rank, world_size, timeout_s, cfg):
+    """The NodeLayout of a group (every rank calls it, in the same group order)."""
+    if world_size == 1:
+        return NodeLayout((0,), (socket.gethostname(),))
+    deadline = _deadline(timeout_s)
+    gen = store.add(f"shmcoll/nodes/gen/{rank}", 1)
+    base = f"shmcoll/nodes/{gen}"
+    store.set(f"{base}/id/{rank}", f"{socket.gethostname()}\n{identity(cfg)}")
+    values = _get_all(store, [f"{base}/id/{r}" for r in range(world_size)], deadline, timeout_s)
+    hosts, keys = zip(*(v.split("\n", 1) for v in values))
+    layout = NodeLayout.from_keys(keys, hosts)
+    members = layout.nodes[layout.node_of[rank]]
+    ok = _probe(store, base, rank, members, deadline, timeout_s)
+    if ok is None:  # a node of one: nothing to probe, nothing to wait for
+        store.set(f"{base}/ok/{rank}", "1")
+    oks = _get_all(store, [f"{base}/ok/{r}" for r in range(world_size)], deadline, timeout_s)
+    if all(v == "1" for v in oks):
+        return layout
+    # A member that could not read its leader's probe is a node of its own.
+    keys = [k if v == "1" else f"{k}|unshared:{r}" for r, (k, v) in enumerate(zip(keys, oks))]
+    return NodeLayout.from_keys(keys, hosts)
+
+
+def _probe(store, base, rank, members, deadline, timeout_s):
+    """Round 2-3 for this rank: True/False (could read the leader's probe), None alone."""
+    if len(members) == 1:
+        return None
+    leader = members[0]
+    if rank == leader:
+        name, token = _create_probe()
+        try:
+            store.set(f"{base}/probe/{rank}", f"{name}\n{token.hex()}")
+            store.set(f"{base}/ok/{rank}", "1")
+            _get_all(store, [f"{base}/ok/{r}" for r in members], deadline, timeout_s)
+        finally:
+            _unlink(name)
+        return True
+    name, token_hex = _get_all(store, [f"{base}/probe/{leader}"], deadline,
+                               timeout_s)[0].split("\n")
+    ok = _read_probe(name) == bytes.fromhex(token_hex)
+    store.set(f"{base}/ok/{rank}", "1" if ok else "0")
+    return ok
+
+
+def _create_probe():
+    token = secrets.token_bytes(16)
+    name = f"/{segment_prefix()}probe{token.hex()}-{os.getpid()}"
+    try:
+        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=_PROBE_NBYTES)
+    except (posix_ipc.Error, OSError) as e:
+        raise SegmentError(f"node discovery: cannot create the probe segment {name!r}: "
+                           f"{e}") from None
+    try:
+        os.pwrite(shm.fd, token, 0)
+    except OSError as e:
+        shm.close_fd()
+        _unlink(name)
+        raise SegmentError(f"node discovery: cannot write the probe segment: {e}") from None
+    shm.close_fd()
+    return name, token
+
+
+def _read_probe(name):
+    """The token in a peer's probe segment, or b"" if this rank cannot open it."""
+    if not name.startswith("/" + segment_prefix()):
+        return b""
+    try:
+        shm = posix_ipc.SharedMemory(name, 0)
+    except (posix_ipc.Error, OSError):
+        return b""
+    try:
+        return os.pread(shm.fd, 16, 0)
+    except OSError:
+        return b""
+    finally:
+        shm.close_fd()
+
+
+def _unlink(name):
+    try:
+        posix_ipc.unlink_shared_memory(name)
+    except (posix_ipc.Error, OSError):
+        pass
+
+
+def _deadline(timeout_s):
+    return time.monotonic() + timeout_s
+
+
+def _get_all(store, keys, deadline, timeout_s):
+    """Values of `keys` (str), waiting for each until `deadline`; one round trip where the
+    store has multi_get (c10d stores)."""
+    multi_get = getattr(store, "multi_get", None)
+    wait = getattr(store, "wait", None)
+    if multi_get is not None and wait is not None:
+        remaining = max(deadline - time.monotonic(), 0.001)
+        try:
+            wait(keys, datetime.timedelta(seconds=remaining))
+        except Exception as e:  # the store's own timeout error
+            missing = [k for k in keys if not store.check([k])]
+            raise SegmentError(f"node discovery: timed out after {timeout_s} s waiting for "
+                               f"store keys {missing} ({e})") from None
+        return [v.decode() if isinstance(v, bytes) else str(v) for v in multi_get(keys)]
+    return [_wait_key(store, k, deadline, timeout_s, f"store key {k!r}") for k in keys]
