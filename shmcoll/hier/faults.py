@@ -5,7 +5,8 @@ in shared memory). Across nodes the one medium every rank shares is the group's 
 hierarchical group keeps a small *board* there (keys under "shmcoll/hier/<gen>/"):
 
   failed          counter: the rank that brings it to 1 writes `first`
-  first           "<ErrorType>\\n<message>" of the first failure
+  first           "<ErrorType>|<lost rank>\\n<message>" of the first failure
+  lost/<rank>     a rank known to be gone (its node's engine saw its process exit)
   ack/<rank>      written by every rank that has seen the failure (where it was)
   where/<rank>    "<seq>\\n<position>": written by the watchdog once a collective has run
                   longer than report_after_s, and by a failing rank
@@ -32,6 +33,8 @@ __all__ = ["Board", "Watchdog", "POLL_S", "CENSUS_S"]
 
 POLL_S = 0.05  # how often a rank blocked across nodes looks at the board
 CENSUS_S = 1.0  # how long a rank that lost a connection waits for the others' acks
+WATCH_AFTER_S = 0.1  # the watchdog looks at the board for collectives running this long,
+WATCH_EVERY_S = 0.2  # this often (one store check; a rank in an engine wait cannot)
 REPORT_AFTER_S = 1.0  # a collective running this long reports where it is (capped below)
 
 
@@ -77,6 +80,20 @@ class Board:
             if time.monotonic() >= deadline:
                 return "ShmcollError", "another rank failed (its message is not on the board)"
             time.sleep(0.005)
+
+    def post_lost(self, rank, text):
+        """A rank known to be gone (its node's engine saw its process exit)."""
+        self._call(self._store.set, self._key("lost", rank), text)
+
+    def lost(self):
+        """[(rank, message)] of the ranks posted as lost."""
+        found = []
+        for r in range(self._layout.world_size):
+            if self._call(self._store.check, [self._key("lost", r)]):
+                value = self._call(self._store.get, self._key("lost", r))
+                if value is not None:
+                    found.append((r, _text(value)))
+        return found
 
     def ack(self, position):
         self._call(self._store.set, self._key("ack", self._rank), position)
@@ -131,9 +148,10 @@ def _text(value):
 
 
 class Watchdog:
-    """One daemon thread per process: reports where a hierarchical collective is once it
-    has run for report_after_s, so that a timeout can say where every rank was. A group
-    registers itself; its `position` is (seq, what, step, t_start) or None."""
+    """One daemon thread per process, for collectives that run long (group.watch): it
+    wakes a rank blocked in a shared-memory wait when the board shows another rank's
+    failure, and reports where the rank is once the collective has run report_after_s
+    (so that a timeout can say where every rank was)."""
 
     _lock = threading.Lock()
     _groups = weakref.WeakSet()
@@ -161,7 +179,7 @@ class Watchdog:
             now = time.monotonic()
             for g in groups:
                 try:
-                    g.report_if_slow(now)
+                    g.watch(now)
                 except Exception:  # a group closing under us: nothing to report
                     pass
             del groups

@@ -123,6 +123,7 @@ class HierGroup(Collectives):
             else shard_min_nbytes
         self.position = None  # (seq, collective, step, t_start, report_after_s) or None
         self._reported = None
+        self._next_watch = 0.0
         self._seq = 0
         self._poison = None
         self._closed = False
@@ -184,7 +185,7 @@ class HierGroup(Collectives):
         try:
             slice_s = 0.001
             next_poll = time.monotonic() + faults.POLL_S
-            while not pending.wait(slice_s):
+            while not (pending.wait(slice_s) and pending.done()):
                 now = time.monotonic()
                 if self._aborted:
                     raise GroupAbortedError(f"group {self.name!r} was aborted on rank "
@@ -201,12 +202,18 @@ class HierGroup(Collectives):
         finally:
             self._pending = None
 
-    def report_if_slow(self, now):
-        """Watchdog hook: publish where this rank is once a collective has run long."""
+    def watch(self, now):
+        """Watchdog hook, for a collective that has run a while: wake this rank if another
+        rank failed (a rank blocked in a shared-memory wait does not look at the board
+        itself), and publish where this rank is once the collective is slow."""
         pos = self.position
         if pos is None:
             return
         seq, name, step, t0, report_s = pos
+        if now - t0 >= faults.WATCH_AFTER_S and now >= self._next_watch:
+            self._next_watch = now + faults.WATCH_EVERY_S
+            if self.board.failure() is not None and self.position is pos:
+                self.intra.abort()  # the engine wait raises; _failed reads the board
         if now - t0 < report_s or self._reported == (seq, step):
             return
         self._reported = (seq, step)
@@ -235,13 +242,17 @@ class HierGroup(Collectives):
             remote = e.args
         elif isinstance(e, GroupAbortedError) and not self._aborted:
             # our node's engine group was aborted by a local peer: the board says why
-            remote = self.board.failure(wait_s=1.0) or ("GroupAbortedError", str(e))
+            remote = self.board.failure(wait_s=1.0) or ("GroupAbortedError|", str(e))
         if remote is not None:
             error = self._from_board(prefix, where, *remote)
+            unnamed_loss = remote[0] == "PeerLostError|"
         else:
             error, peer = self._own_error(call, e, prefix, where)
-            if error is None:
-                return e  # not ours to wrap (a KeyboardInterrupt, ...): poison below
+            if error is None:  # not an Exception (KeyboardInterrupt...): still fail the group
+                error, peer = ShmcollError(f"{prefix}: interrupted {where}"), None
+            unnamed_loss = isinstance(e, wire.TransportError) and e.kind == "lost"
+            if peer is not None:
+                self.board.post_lost(peer, str(error))
             self.board.post(f"{type(error).__name__}|{'' if peer is None else peer}",
                             str(error))
         self._poison = self._poison or error
@@ -250,10 +261,10 @@ class HierGroup(Collectives):
             self.intra.abort()  # wake this node's ranks blocked in shared-memory waits
         except Exception:
             pass
-        if isinstance(e, wire.TransportError) and e.kind == "lost" and remote is None:
-            error = self._name_lost(prefix, where, e)
-            self._poison = error
-        return error
+        if unnamed_loss:
+            error = self._poison = self._name_lost(prefix, where, e if remote is None else
+                                                   remote[1])
+        return error if isinstance(e, Exception) else e
 
     def _own_error(self, call, e, prefix, where):
         """(error, lost peer or None) for a failure that started on this rank."""
@@ -275,6 +286,9 @@ class HierGroup(Collectives):
             return CollectiveTimeoutError(
                 f"{prefix}: Timed out waiting {ms}ms {where}{detail}. Where each rank was: "
                 f"{self.board.where_text(call.seq)}"), None
+        if isinstance(e, wire.TransportError) and e.kind == "lost":
+            return PeerLostError(f"{prefix}: lost a connection to another node {where} "
+                                 f"({e})"), None
         if isinstance(e, wire.TransportError):
             return ShmcollError(f"{prefix}: inter-node step failed {where}: {e}"), None
         if isinstance(e, GroupAbortedError):
@@ -292,24 +306,25 @@ class HierGroup(Collectives):
             return PeerLostError(message, peer=int(peer) if peer else None)
         return cls(message)
 
-    def _name_lost(self, prefix, where, e):
-        """A connection to another node closed: the ranks that do not ack in time are the
-        lost ones (a rank on their node may already have named one exactly)."""
+    def _name_lost(self, prefix, where, detail):
+        """A connection between nodes closed: name the lost ranks. A rank on their node may
+        have named one exactly (pidfd); otherwise the ranks that did not ack within
+        CENSUS_S are the lost ones (a killed rank never does)."""
         missing = self.board.census(faults.CENSUS_S)
-        first = self.board.failure()
-        if first is not None and first[0].startswith("PeerLostError|") and \
-                first[0] != f"PeerLostError|":
-            return self._from_board(prefix, where, *first)
+        exact = self.board.lost()
+        if exact:
+            peer, text = exact[0]
+            return PeerLostError(f"{prefix}: stopped {where}: {text}", peer=peer)
         if not missing:
-            return PeerLostError(f"{prefix}: lost a connection {where} ({e}); every rank "
-                                 f"answered afterwards")
+            return PeerLostError(f"{prefix}: {detail}; every rank answered afterwards")
         nodes = sorted({self.layout.node_of[r] for r in missing})
         gone = [self.layout.describe_node(n) for n in nodes
                 if set(self.layout.nodes[n]) <= set(missing)]
         ranks = ", ".join(self.who(r) for r in missing)
         whole = f"; whole node lost: {', '.join(gone)}" if gone else ""
-        return PeerLostError(f"{prefix}: lost a connection {where} ({e}); no answer within "
-                             f"{faults.CENSUS_S} s from {ranks}{whole}", peer=missing[0])
+        return PeerLostError(f"{prefix}: lost {ranks} (no answer within {faults.CENSUS_S} s "
+                             f"after a connection closed {where}){whole}; first report: "
+                             f"{detail}", peer=missing[0])
 
     # -- lifecycle -----------------------------------------------------------------------
 

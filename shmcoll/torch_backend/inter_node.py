@@ -17,14 +17,18 @@ gloo facts this module works around (torch 2.13, measured here):
 - abort()/shutdown() do not wake an operation blocked on a live peer, and destroying a
   gloo group joins its threads, so a blocked operation holds the destructor until the
   peer exits or the operation's timeout (11.5 s in a test where the peer stayed 12 s).
-  Waits are therefore ours (Pending: an Event set by the future), and after a failure
-  the groups are dropped on a daemon thread (close(abandon=True)): never on the caller's.
+  Waits are therefore ours (Pending polls), and a failed group's gloo groups are never
+  destroyed (close(abandon=True) keeps them until the process exits): a peer closing its
+  connection while one is being destroyed made gloo throw out of the destructor and
+  terminate the process.
 - a message larger than the buffer posted for it terminates the process: see the first
   round in hier/wire.py.
 """
 
+import ctypes
 import datetime
-import threading
+import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -64,28 +68,40 @@ def _tensor(x):
 
 class Pending:
     """One transport operation in flight (hier/wire.py): wait(timeout_s) -> bool, done(),
-    wake(), result() (raises TransportError)."""
+    wake(), result() (raises TransportError). Completion is polled (is_completed: yield for
+    the first ~20 polls, then sleep 20 us doubling to 1 ms): a Python callback on the
+    Work's future would run on a gloo thread, possibly while the interpreter exits.
+    Measured, 2 ranks, 16 B all_gather: 73-74 us polled vs 77-79 us in Work.wait()."""
 
-    __slots__ = ("_work", "_event", "_keep", "what")
+    __slots__ = ("_work", "_keep", "_woken", "what")
+    _SPINS = 20
 
     def __init__(self, work, keep, what):
         self._work = work
         self._keep = keep  # the tensors stay alive while the operation may touch them
+        self._woken = False
         self.what = what
-        self._event = threading.Event()
-        work.get_future().add_done_callback(self._done)
-
-    def _done(self, _future):
-        self._event.set()
 
     def wait(self, timeout_s):
-        return self._event.wait(timeout_s)
+        end = time.monotonic() + timeout_s
+        spins, pause = 0, 2e-5
+        while not (self._woken or self._work.is_completed()):
+            left = end - time.monotonic()
+            if left <= 0:
+                return False
+            if spins < self._SPINS:
+                spins += 1
+                os.sched_yield()
+            else:
+                time.sleep(min(pause, left))
+                pause = min(pause * 2, 1e-3)
+        return True
 
     def done(self):
         return self._work.is_completed()
 
     def wake(self):
-        self._event.set()
+        self._woken = True
 
     def result(self):
         try:
@@ -155,15 +171,16 @@ class GlooTransport:
         return self._channel
 
     def close(self, abandon=False):
-        """Drop the process groups. abandon: an operation may still be blocked in one, and
-        destroying it would wait for that: drop them on a daemon thread instead."""
+        """Drop the process groups. abandon (after a failure: an operation may still be
+        blocked in one): keep them alive until the process exits instead. Destroying a
+        gloo group waits for its blocked operations, and when a peer's connection closes
+        during that wait gloo throws out of its destructor and terminates the process
+        (seen here when a peer exited while a failed group was being dropped)."""
         pgs = [c.pg for c in (self._channel, self.world) if c is not None]
         self._channel = self.world = None
-        if not abandon:
-            del pgs[:]
-            return
-        threading.Thread(target=pgs.clear, name="shmcoll-drop-inter-node-groups",
-                         daemon=True).start()
+        if abandon:
+            for pg in pgs:
+                ctypes.pythonapi.Py_IncRef(ctypes.py_object(pg))  # never destroyed
 
 
 def make_transport(store, base, layout, rank, timeout_s):
