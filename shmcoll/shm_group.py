@@ -13,11 +13,13 @@ __all__ = ["new_shm_group"]
 
 
 def new_shm_group(store, rank, world_size, timeout_s=1800.0, cfg=None, name="",
-                  small_pages=None):
+                  small_pages=None, ranks_here=None):
     """Rendezvous through `store` (set/get/add, e.g. a c10d Store or shmcoll.FileStore) and
     return a ready Group. Every rank of the group must call this with the same arguments.
     `small_pages`: whether this rank's buffers are likely on 4 KiB pages (see pages.py;
-    None: numpy's arrays); the group takes True if any rank says so."""
+    None: numpy's arrays); the group takes True if any rank says so. `ranks_here`: busy
+    ranks on this machine when the group is one node of several sharing it (simulated
+    or namespaced nodes): they decide, with the cores, whether waits may spin."""
     if not 0 <= rank < world_size:
         raise ValueError(f"new_shm_group: rank {rank} is outside world size {world_size}")
     # Imported here, not at module level: `python -m shmcoll.warmup` imports the package
@@ -40,7 +42,8 @@ def new_shm_group(store, rank, world_size, timeout_s=1800.0, cfg=None, name="",
     regions = ShmRegions(store, rank, world_size, layout, timeout_s, cfg.shm_dir,
                          cfg.single_copy, small_pages)
     liveness = PidLiveness(regions.pids)
-    spin = {"spin": False, "yield": True}.get(cfg.spin, is_oversubscribed(world_size))
+    spin = {"spin": False, "yield": True}.get(cfg.spin,
+                                              is_oversubscribed(ranks_here or world_size))
     arena = Arena(regions.regions, rank, layout, liveness, describe_fingerprint, oversubscribed=spin,
                   pids=regions.pids, single_copy=regions.single_copy)
     try:

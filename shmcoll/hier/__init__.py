@@ -56,7 +56,7 @@ def new_hier_group(store, rank, layout, make_transport, timeout_s=1800.0, cfg=No
     members = layout.nodes[node]
     intra = new_shm_group(PrefixedStore(store, f"{base}/node{node}/"), members.index(rank),
                           len(members), timeout_s, cfg, name=f"{name}:node{node}",
-                          small_pages=small_pages)
+                          small_pages=small_pages, ranks_here=layout.ranks_on_machine(rank))
     try:
         transport = make_transport(store, base, layout, rank, timeout_s)
     except BaseException:

@@ -43,17 +43,20 @@ _PROBE_NBYTES = 64
 
 @dataclass(frozen=True)
 class NodeLayout:
-    """node_of[r]: the node of group rank r; hosts[r]: its hostname (for messages)."""
+    """node_of[r]: the node of group rank r; hosts[r]: its hostname (for messages);
+    machines[r]: its boot id (nodes simulated on one machine share its cores)."""
 
     node_of: tuple
     hosts: tuple = ()
+    machines: tuple = ()
 
     @classmethod
-    def from_keys(cls, keys, hosts=()):
+    def from_keys(cls, keys, hosts=(), machines=()):
         """Ranks with equal keys share a node; nodes are numbered by their lowest rank."""
         index = {}
         node_of = tuple(index.setdefault(k, len(index)) for k in keys)
-        return cls(node_of, tuple(hosts) or ("?",) * len(keys))
+        return cls(node_of, tuple(hosts) or ("?",) * len(keys),
+                   tuple(machines) or tuple(f"node{n}" for n in node_of))
 
     @property
     def world_size(self):
@@ -96,6 +99,10 @@ class NodeLayout:
         """Group ranks of channel `local` (local rank `local` of every node), node order."""
         return tuple(m[local] for m in self.nodes)
 
+    def ranks_on_machine(self, rank):
+        """How many ranks of the group run on `rank`'s machine (all its nodes)."""
+        return sum(m == self.machines[rank] for m in self.machines)
+
     def describe(self, rank):
         """'rank 3 (node 1, host-b)' for messages."""
         return f"rank {rank} (node {self.node_of[rank]}, {self.hosts[rank]})"
@@ -105,15 +112,20 @@ class NodeLayout:
         return f"node {node} ({self.hosts[self.nodes[node][0]]}: ranks {ranks})"
 
 
+def boot_id():
+    """The running kernel's boot id (one per machine and boot), else the hostname."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return "host=" + socket.gethostname()
+
+
 def identity(cfg):
     """This process's node key (see the module docstring)."""
     if cfg.node_id:
         return "id:" + cfg.node_id
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = "host=" + socket.gethostname()  # no boot id: the hostname must do
+    boot = boot_id()
     try:
         st = os.stat(cfg.shm_dir)
         shm = f"{st.st_dev}:{st.st_ino}"
@@ -129,14 +141,14 @@ def identity(cfg):
 def discover(store, rank, world_size, timeout_s, cfg):
     """The NodeLayout of a group (every rank calls it, in the same group order)."""
     if world_size == 1:
-        return NodeLayout((0,), (socket.gethostname(),))
+        return NodeLayout((0,), (socket.gethostname(),), (boot_id(),))
     deadline = _deadline(timeout_s)
     gen = store.add(f"shmcoll/nodes/gen/{rank}", 1)
     base = f"shmcoll/nodes/{gen}"
-    store.set(f"{base}/id/{rank}", f"{socket.gethostname()}\n{identity(cfg)}")
+    store.set(f"{base}/id/{rank}", f"{socket.gethostname()}\n{boot_id()}\n{identity(cfg)}")
     values = _get_all(store, [f"{base}/id/{r}" for r in range(world_size)], deadline, timeout_s)
-    hosts, keys = zip(*(v.split("\n", 1) for v in values))
-    layout = NodeLayout.from_keys(keys, hosts)
+    hosts, machines, keys = zip(*(v.split("\n", 2) for v in values))
+    layout = NodeLayout.from_keys(keys, hosts, machines)
     members = layout.nodes[layout.node_of[rank]]
     ok = _probe(store, base, rank, members, deadline, timeout_s)
     if ok is None:  # a node of one: nothing to probe, nothing to wait for
@@ -146,7 +158,7 @@ def discover(store, rank, world_size, timeout_s, cfg):
         return layout
     # A member that could not read its leader's probe is a node of its own.
     keys = [k if v == "1" else f"{k}|unshared:{r}" for r, (k, v) in enumerate(zip(keys, oks))]
-    return NodeLayout.from_keys(keys, hosts)
+    return NodeLayout.from_keys(keys, hosts, machines)
 
 
 def _probe(store, base, rank, members, deadline, timeout_s):

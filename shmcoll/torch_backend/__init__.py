@@ -30,9 +30,9 @@ def create_shm_process_group(backend_opts, pg_options=None):
     pg = new_process_group(backend_opts.store, backend_opts.group_rank,
                            backend_opts.group_size, options, timeout=backend_opts.timeout,
                            group_name=str(backend_opts.group_id))
-    layout = getattr(pg, "layout", None)  # several nodes: the ranks on this host count
+    layout = getattr(pg, "layout", None)  # several nodes: the ranks on this machine count
     _warn_if_threads_oversubscribe(backend_opts.group_size if layout is None else
-                                   len(layout.nodes[layout.node_of[backend_opts.group_rank]]))
+                                   layout.ranks_on_machine(backend_opts.group_rank))
     return pg
 
 

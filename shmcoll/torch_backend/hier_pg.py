@@ -10,6 +10,7 @@ must match senders on every node.
 """
 
 import datetime
+import logging
 import threading
 import time
 import weakref
@@ -25,6 +26,8 @@ from .process_group import EngineProcessGroup, ProcessGroupShm, ShmOptions
 from .work import torch_error
 
 __all__ = ["HierProcessGroup", "new_process_group"]
+
+log = logging.getLogger("shmcoll")
 
 
 def new_process_group(store, rank, size, options=None, timeout=None, group_name=None):
@@ -52,6 +55,10 @@ class HierProcessGroup(EngineProcessGroup):
                                name=options.group_name, small_pages=torch_buffers_small_pages())
         super().__init__(group, "shm", store=store, options=options)
         self.layout = layout
+        if rank == 0:
+            log.info("shm group %r spans %d nodes (ranks per node: %s): shared memory inside "
+                     "each, gloo between them", options.group_name, layout.num_nodes,
+                     ", ".join(str(len(m)) for m in layout.nodes))
         self._world = group.transport.world
         self._p2p = weakref.WeakSet()  # unfinished p2p works (close abandons if any)
 

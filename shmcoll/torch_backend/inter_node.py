@@ -68,33 +68,34 @@ def _tensor(x):
 
 class Pending:
     """One transport operation in flight (hier/wire.py): wait(timeout_s) -> bool, done(),
-    wake(), result() (raises TransportError). Completion is polled (is_completed: yield for
-    the first ~20 polls, then sleep 20 us doubling to 1 ms): a Python callback on the
-    Work's future would run on a gloo thread, possibly while the interpreter exits.
+    wake(), result() (raises TransportError). Completion is polled like the engine's waits:
+    is_completed() with sched_yield for YIELD_S from the start, then sleeps of 50 us
+    doubling to 1 ms. (A Python callback on the Work's future would run on a gloo thread,
+    possibly while the interpreter exits; a thread blocked in Work.wait() cannot be woken.)
     Measured, 2 ranks, 16 B all_gather: 73-74 us polled vs 77-79 us in Work.wait()."""
 
-    __slots__ = ("_work", "_keep", "_woken", "what")
-    _SPINS = 20
+    __slots__ = ("_work", "_keep", "_woken", "_t0", "_pause", "what")
+    YIELD_S = 2e-3
 
     def __init__(self, work, keep, what):
         self._work = work
         self._keep = keep  # the tensors stay alive while the operation may touch them
         self._woken = False
+        self._t0 = time.monotonic()
+        self._pause = 5e-5
         self.what = what
 
     def wait(self, timeout_s):
         end = time.monotonic() + timeout_s
-        spins, pause = 0, 2e-5
         while not (self._woken or self._work.is_completed()):
-            left = end - time.monotonic()
-            if left <= 0:
+            now = time.monotonic()
+            if now >= end:
                 return False
-            if spins < self._SPINS:
-                spins += 1
+            if now - self._t0 < self.YIELD_S:
                 os.sched_yield()
             else:
-                time.sleep(min(pause, left))
-                pause = min(pause * 2, 1e-3)
+                time.sleep(min(self._pause, end - now))
+                self._pause = min(self._pause * 2, 1e-3)
         return True
 
     def done(self):
