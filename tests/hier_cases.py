@@ -124,6 +124,19 @@ def check_all_reduce(rank, world_size, nodes, counts=COUNTS):
     return out
 
 
+def check_large_all_reduce(rank, world_size, nodes):
+    """Shards of 256 KiB and more: from 3 nodes they are reduce-scattered and all-gathered
+    across nodes; an odd count pads the last shard."""
+    out = []
+    for count in (140000, 140001):
+        inputs = [_input(60, r, count, torch.float32) for r in range(world_size)]
+        t = inputs[rank].clone()
+        dist.all_reduce(t)
+        assert torch.equal(t, reference(inputs, nodes, "sum")), f"large all_reduce {count}"
+        out.append(digest(t))
+    return out
+
+
 def check_reduce_scatter(rank, world_size, nodes, counts=COUNTS):
     for count in counts:
         per = max(1, count // world_size)
@@ -288,8 +301,9 @@ def check_subgroups(rank, world_size, nodes):
             dist.destroy_process_group(g)
 
 
-ALL = (check_all_reduce, check_reduce_scatter, check_reduce, check_broadcast,
-       check_all_gather, check_gather_scatter, check_all_to_all, check_p2p, check_subgroups)
+ALL = (check_all_reduce, check_large_all_reduce, check_reduce_scatter, check_reduce,
+       check_broadcast, check_all_gather, check_gather_scatter, check_all_to_all, check_p2p,
+       check_subgroups)
 
 
 def run_all(rank, world_size, nodes):

@@ -34,6 +34,9 @@ _CODE = {name: i + 1 for i, name in enumerate(COLLECTIVES)}
 _ERRORS = {cls.__name__: cls for cls in (CollectiveMismatchError, CollectiveTimeoutError,
                                           GroupAbortedError, PeerLostError, ShmcollError)}
 TRANSPORT_GRACE_S = 2.0  # the transport's own deadline trails ours: our message wins
+# Scratch buffers (receive areas, shards, regrouped inputs) are kept between collectives up
+# to this size each: fresh pages cost a fault and the kernel's zeroing on every call.
+SCRATCH_KEEP_NBYTES = 64 << 20
 FLIGHT_RECORD_LEN = 64
 
 
@@ -130,6 +133,7 @@ class HierGroup(Collectives):
         self._aborted = False
         self._pending = None
         self.flight_record = collections.deque(maxlen=FLIGHT_RECORD_LEN)
+        self._scratch = {}
         Watchdog.register(self)
 
     # -- state ---------------------------------------------------------------------------
@@ -151,6 +155,16 @@ class HierGroup(Collectives):
             except Exception:
                 again = self._poison
             raise again
+
+    def scratch(self, slot, nbytes, dtype=np.uint8):
+        """A buffer of `nbytes` for `slot` of the running collective (slots used together
+        differ); reused by later collectives up to SCRATCH_KEEP_NBYTES."""
+        buf = self._scratch.get(slot)
+        if buf is None or buf.nbytes < nbytes:
+            buf = np.empty(max(nbytes, 64), np.uint8)
+            if nbytes <= SCRATCH_KEEP_NBYTES:
+                self._scratch[slot] = buf
+        return buf[:nbytes].view(dtype)
 
     def who(self, rank=None):
         return self.layout.describe(self.rank if rank is None else rank)

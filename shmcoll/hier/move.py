@@ -72,15 +72,16 @@ def _broadcast_sharded(call, buf, root):
     if g.node == root_node and hi - lo == per:
         shard = buf[lo:hi]
     else:
-        shard = np.zeros(per, np.uint8)
+        shard = g.scratch("shard", per)
         if g.node == root_node:
             shard[:hi - lo] = buf[lo:hi]
+            shard[hi - lo:] = 0
     call.finish_frame(early, f"inter-node broadcast of shard {g.local} (first round)")
     if per:
         call.move(f"inter-node broadcast of shard {g.local}", g.channel.broadcast, shard,
                   root_node)
     if g.node != root_node:
-        full = buf if per * nlocal == n else np.empty(per * nlocal, np.uint8)
+        full = buf if per * nlocal == n else g.scratch("full", per * nlocal)
         call.intra("intra-node all-gather of the shards", g.intra.all_gather, full, shard)
         if full is not buf:
             buf[:] = full[:n]
@@ -98,9 +99,9 @@ def all_gather(call, src, out):
             mine = np.ascontiguousarray(rows[:, :n]).reshape(-1)
         else:
             call.finish_frame(call.start_frame(g.channel), step + " (first round)")
-            mine = np.empty(members * n, np.uint8)
+            mine = g.scratch("mine", members * n)
             call.move(step, g.channel.all_gather, mine, src)
-        node = np.empty(nlocal * members * n, np.uint8)
+        node = g.scratch("node", nlocal * members * n)
         call.intra("intra-node all-gather", g.intra.all_gather, node, mine)
         order = [layout.rank_of(m, l) for l in range(nlocal) for m in range(members)]
         out.reshape(g.world_size, n)[order] = node.reshape(nlocal * members, n)

@@ -76,13 +76,14 @@ def _all_reduce_leaders(call, flat, dt, intra_op, intra_premul, inter):
 def _all_reduce_sharded(call, flat, dt, intra_op, intra_premul, inter):
     g = call.g
     nshards = g.layout.shards
-    count = flat.size
+    count, item = flat.size, flat.itemsize
     per = -(-count // nshards)
     full = flat
     if per * nshards != count:  # pad to equal shards (the pad is reduced and dropped)
-        full = np.zeros(per * nshards, flat.dtype)
+        full = g.scratch("full", per * nshards * item, flat.dtype)
         full[:count] = flat
-    shard = np.empty(per, flat.dtype)
+        full[count:] = 0
+    shard = g.scratch("shard", per * item, flat.dtype)
     early = call.start_frame(g.channel) if shard.nbytes > wire.INLINE_NBYTES else None
     call.intra("intra-node reduce-scatter", g.intra.reduce_scatter, shard, full, intra_op,
                dt.name, premul=intra_premul)
@@ -96,7 +97,7 @@ def _all_reduce_sharded(call, flat, dt, intra_op, intra_premul, inter):
 def exchange_reduce(call, channel, flat, spec, early, step):
     """Every member of `channel` ends with the reduction of all members' `flat` (its
     node's partial), taken in node order. `early`: a first round already started."""
-    members, n = channel.size, flat.nbytes
+    members, n, me = channel.size, flat.nbytes, channel.rank
     if early is None and n <= wire.INLINE_NBYTES:
         rows = call.frame_round(channel, flat, step + " (first round)")
         addrs = rows.ctypes.data + wire.FRAME_NBYTES * np.arange(members, dtype=np.int64)
@@ -106,10 +107,13 @@ def exchange_reduce(call, channel, flat, spec, early, step):
         if members >= 3 and n >= RS_MIN_NBYTES:
             _exchange_reduce_two_step(call, channel, flat, spec, step)
             return
-        gathered = np.empty(members * n, np.uint8)
+        others = call.g.scratch("recv", (members - 1) * n)
         if n:
-            call.move(step, channel.all_gather, gathered, flat.view(np.uint8))
-        addrs = gathered.ctypes.data + n * np.arange(members, dtype=np.int64)
+            call.move(step, channel.exchange, others, flat.view(np.uint8))
+        # node order, our own partial read where it lies (reduce_into allows out == a src)
+        addrs = others.ctypes.data + n * np.array(
+            [m if m < me else m - 1 for m in range(members)], np.int64)
+        addrs[me] = flat.ctypes.data
     if flat.size:
         reduce_into(flat, addrs, spec.op, spec.kind, 1.0, spec.post)
 
@@ -117,17 +121,19 @@ def exchange_reduce(call, channel, flat, spec, early, step):
 def _exchange_reduce_two_step(call, channel, flat, spec, step):
     """exchange_reduce from 3 members on large partials: all_to_all (member m receives
     piece m of every partial), reduce the pieces in node order, all_gather the pieces."""
+    g = call.g
     members, count, item = channel.size, flat.size, flat.itemsize
     per = -(-count // members)
     full = flat
     if per * members != count:
-        full = np.zeros(per * members, flat.dtype)
+        full = g.scratch("full2", per * members * item, flat.dtype)
         full[:count] = flat
-    pieces = np.empty(per * members, flat.dtype)
+        full[count:] = 0
+    pieces = g.scratch("pieces", per * members * item, flat.dtype)
     splits = [per * item] * members
     call.move(step + " (reduce-scatter)", channel.all_to_all, pieces.view(np.uint8),
               full.view(np.uint8), splits, splits)
-    mine = np.empty(per, flat.dtype)
+    mine = g.scratch("mine", per * item, flat.dtype)
     addrs = pieces.ctypes.data + per * item * np.arange(members, dtype=np.int64)
     reduce_into(mine, addrs, spec.op, spec.kind, 1.0, spec.post)
     call.move(step + " (all-gather)", channel.all_gather, full.view(np.uint8),
@@ -148,7 +154,11 @@ def reduce_scatter(call, out, blocks, sizes, dt, op, premul):
     if one and g.layout.even and g.layout.shards > 1 and total >= g.shard_min_nbytes:
         _reduce_scatter_sharded(call, out, blocks, dt, op, premul)
         return
-    work = blocks.copy() if one else np.concatenate(blocks) if blocks else out[:0].copy()
+    work = g.scratch("work", total, out.dtype)
+    if one:
+        work[:] = blocks
+    elif blocks:
+        np.concatenate(blocks, out=work)
     all_reduce(call, work, dt, op, premul)
     start = sum(sizes[:g.rank])
     out[:] = work[start:start + out.size]
@@ -157,13 +167,14 @@ def reduce_scatter(call, out, blocks, sizes, dt, op, premul):
 def _reduce_scatter_sharded(call, out, blocks, dt, op, premul):
     g = call.g
     layout = g.layout
-    members, nlocal, n = layout.num_nodes, layout.shards, out.size
+    members, nlocal, n, item = layout.num_nodes, layout.shards, out.size, out.itemsize
     intra_op, intra_premul, inter = level_ops(op, dt, g.world_size, premul)
     # local rank l receives, for every node m, its node's partial of rank (m, l)'s block
     order = [layout.rank_of(m, l) for l in range(nlocal) for m in range(members)]
-    regrouped = blocks.reshape(g.world_size, n)[order].reshape(-1)
-    part = np.empty(members * n, out.dtype)
-    item = out.itemsize
+    regrouped = g.scratch("regrouped", g.world_size * n * item, out.dtype)
+    np.take(blocks.reshape(g.world_size, n), order, axis=0,
+            out=regrouped.reshape(g.world_size, n))
+    part = g.scratch("part", members * n * item, out.dtype)
     early = call.start_frame(g.channel) if part.nbytes > wire.INLINE_NBYTES else None
     call.intra("intra-node reduce-scatter", g.intra.reduce_scatter, part, regrouped,
                intra_op, dt.name, premul=intra_premul)
@@ -174,7 +185,7 @@ def _reduce_scatter_sharded(call, out, blocks, dt, op, premul):
             wire.FRAME_NBYTES * np.arange(members, dtype=np.int64)
     else:
         call.finish_frame(early, step + " (first round)")
-        received = np.empty(members * n, out.dtype)
+        received = g.scratch("recv", members * n * item, out.dtype)
         splits = [n * item] * members
         call.move(step, g.channel.all_to_all, received.view(np.uint8), part.view(np.uint8),
                   splits, splits)
@@ -186,4 +197,9 @@ def _reduce_scatter_sharded(call, out, blocks, dt, op, premul):
 def reduce(call, flat, dt, op, premul, root):
     """reduce = the hierarchical all_reduce, kept by `root` only (other ranks reduce a
     copy: their arrays are not written)."""
-    all_reduce(call, flat if call.g.rank == root else flat.copy(), dt, op, premul)
+    g = call.g
+    if g.rank != root:
+        work = g.scratch("work", flat.nbytes, flat.dtype)
+        work[:] = flat
+        flat = work
+    all_reduce(call, flat, dt, op, premul)

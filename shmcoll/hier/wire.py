@@ -12,6 +12,7 @@ way for CUDA buffers) offers, for one group:
 and each Channel (`rank`, `size`) starts byte-moving operations on flat uint8 arrays:
 
     all_gather(out, src, timeout_s)                           out = size * src.nbytes
+    exchange(out, src, timeout_s)                             out = the others' blocks
     all_to_all(out, src, out_splits, in_splits, timeout_s)    splits in bytes
     broadcast(buf, root, timeout_s)                           root: a channel rank
 
