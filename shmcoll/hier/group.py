@@ -197,7 +197,7 @@ class HierGroup(Collectives):
         failure posted on the board by another rank, whichever comes first."""
         self._pending = pending
         try:
-            slice_s = 0.001
+            slice_s = 0.005
             next_poll = time.monotonic() + faults.POLL_S
             while not (pending.wait(slice_s) and pending.done()):
                 now = time.monotonic()

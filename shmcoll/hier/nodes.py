@@ -25,6 +25,7 @@ node then runs exactly the single-node engine.
 """
 
 import datetime
+import functools
 import os
 import secrets
 import socket
@@ -62,7 +63,7 @@ class NodeLayout:
     def world_size(self):
         return len(self.node_of)
 
-    @property
+    @functools.cached_property
     def nodes(self):
         """Members of every node, ascending, in node order."""
         members = [[] for _ in range(max(self.node_of) + 1)]
@@ -70,20 +71,20 @@ class NodeLayout:
             members[n].append(r)
         return tuple(tuple(m) for m in members)
 
-    @property
+    @functools.cached_property
     def num_nodes(self):
         return max(self.node_of) + 1
 
-    @property
+    @functools.cached_property
     def single_node(self):
         return self.num_nodes == 1
 
-    @property
+    @functools.cached_property
     def even(self):
         """Every node has the same number of ranks."""
         return len({len(m) for m in self.nodes}) == 1
 
-    @property
+    @functools.cached_property
     def shards(self):
         """S: the local ranks 0..S-1 exist on every node (the smallest node's size); local
         rank l < S talks to other nodes through channel l."""
