@@ -17,7 +17,6 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -104,17 +103,9 @@ def main(argv=None):
     cfg = {"variants": variants, "op": args.op, "blocks": args.blocks, "calls": args.calls,
            "sizes": [parse_size(s) for s in args.sizes.split(",")], "out": str(work / "out")}
     (work / "cfg.json").write_text(json.dumps(cfg))
-    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1")
-    env.pop("SHMCOLL_NODE_ID", None)
     with Hosts(args.hosts) as hosts:
-        procs = [hosts.popen(k, [sys.executable, "-m", "torch.distributed.run",
-                                 f"--nnodes={args.hosts}", f"--node-rank={k}",
-                                 f"--nproc-per-node={args.ranks_per_host}",
-                                 f"--master-addr={hosts.address(0)}", "--master-port=29500",
-                                 "-m", "benchmarks.hier_ab", "--worker",
-                                 str(work / "cfg.json")], env=env, cwd=REPO,
-                             stderr=subprocess.DEVNULL) for k in range(args.hosts)]
+        procs = hosts.torchrun(args.ranks_per_host, ["-m", "benchmarks.hier_ab", "--worker",
+                                                     str(work / "cfg.json")], cwd=REPO)
         codes = [p.wait(3600) for p in procs]
     if any(codes):
         print(f"hier_ab: torchrun exit codes {codes}", file=sys.stderr)

@@ -19,7 +19,6 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -73,7 +72,7 @@ def _worker(cfg_path):
             rows.append(row)
             if rank == 0:
                 print(f"{cfg['backend']:5s} {op:11s} {nbytes:>11d} B {row['time_us']:12.1f} us"
-                      f"{'  WRONG' if row['wrong'] else ''}", flush=True)
+                      f"{'  WRONG' if row['wrong'] else ''}", file=sys.stderr, flush=True)
     if rank == 0:
         Path(cfg["out"]).write_text("".join(json.dumps(r) + "\n" for r in rows))
     dist.destroy_process_group()
@@ -88,25 +87,14 @@ def _run_backend(hosts, backend, args, round_, workdir):
                out=str(out))
     cfg_path = Path(workdir) / f"cfg-{backend}-{round_}.json"
     cfg_path.write_text(json.dumps(cfg))
-    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.pop("SHMCOLL_NODE_ID", None)
-    procs = []
-    for k in range(args.hosts):
-        argv = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={args.hosts}",
-                f"--node-rank={k}", f"--nproc-per-node={args.ranks_per_host}",
-                "--max-restarts=0", f"--master-addr={hosts.address(0)}",
-                "--master-port=29500", "-m", "benchmarks.hier_bench", "--worker",
-                str(cfg_path)]
-        log = open(Path(workdir) / f"{backend}-{round_}-host{k}.log", "wb")
-        procs.append(hosts.popen(k, argv, env=env, stdout=log if k else None,
-                                 stderr=subprocess.STDOUT if k else None, cwd=REPO))
+    logs = [Path(workdir) / f"{backend}-{round_}-host{k}.log" for k in range(args.hosts)]
+    procs = hosts.torchrun(args.ranks_per_host, ["-m", "benchmarks.hier_bench", "--worker",
+                                                 str(cfg_path)], logs=logs, cwd=REPO)
     deadline = time.monotonic() + args.timeout
     codes = [p.wait(max(1.0, deadline - time.monotonic())) for p in procs]
     if any(codes) or not out.exists():
-        logs = "".join((Path(workdir) / f"{backend}-{round_}-host{k}.log").read_text()[-3000:]
-                       for k in range(1, args.hosts))
-        raise RuntimeError(f"{backend} round {round_}: torchrun exit codes {codes}\n{logs}")
+        tails = "".join(log.read_text(errors="replace")[-3000:] for log in logs)
+        raise RuntimeError(f"{backend} round {round_}: torchrun exit codes {codes}\n{tails}")
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 

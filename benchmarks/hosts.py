@@ -26,10 +26,11 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 
-__all__ = ["Hosts", "leftovers"]
+__all__ = ["Hosts", "leftovers", "torchrun_env"]
 
 PREFIX = "shmcoll-ns"
 SUBNET = "10.77.0"
@@ -146,6 +147,22 @@ class Hosts:
         self._procs.append(p)
         return p
 
+    def torchrun(self, nproc, target, env=None, logs=None, port=29500, cwd=None):
+        """`torchrun --nnodes H --node-rank k --nproc-per-node nproc[k]` on every host k,
+        rendezvous on host 0; `target`: what follows torchrun's options (a script and its
+        arguments, or "-m", module, ...). `logs[k]`: a path for host k's output (None:
+        inherited). -> the Popen of every host."""
+        nproc = [nproc] * self.n if isinstance(nproc, int) else list(nproc)
+        procs = []
+        for k in range(self.n):
+            argv = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.n}",
+                    f"--node-rank={k}", f"--nproc-per-node={nproc[k]}", "--max-restarts=0",
+                    f"--master-addr={self.address(0)}", f"--master-port={port}", *target]
+            out = open(logs[k], "wb") if logs else None
+            procs.append(self.popen(k, argv, env=torchrun_env(env), cwd=cwd, stdout=out,
+                                    stderr=subprocess.STDOUT if out else None))
+        return procs
+
     def shm_left(self, k):
         """Entries left in host k's /dev/shm when its last command exited (None: unknown)."""
         try:
@@ -175,6 +192,18 @@ class Hosts:
                 time.sleep(0.1)
         self._made = []
         shutil.rmtree(self.shm_dir, ignore_errors=True)
+
+
+def torchrun_env(extra=None):
+    """The environment of ranks on the hosts: this repository first on PYTHONPATH, gloo on
+    the hosts' eth0, one intra-op thread per rank, and no SHMCOLL_NODE_ID (the nodes must
+    be found by detection)."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("SHMCOLL_NODE_ID", None)
+    env.update(extra or {})
+    return env
 
 
 def _probe():

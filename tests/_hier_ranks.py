@@ -5,11 +5,10 @@ Run as `python tests/_hier_ranks.py '<json spec>'` by _ranks.Job with SCRIPT set
 
 import datetime
 import os
-import sys
 import threading
 import time
 
-from _ranks import SETUP_TIMEOUT_S, Child
+from _ranks import SETUP_TIMEOUT_S
 
 
 def _init(c, timeout_s=None, store_suffix=""):
@@ -150,18 +149,14 @@ def scenario_abort(c):
 
 
 def main():
+    """_ranks.main with these scenarios (and every stack on a crash: gloo terminates the
+    process on some errors)."""
     import faulthandler
-    import json
-    faulthandler.enable()  # a crash (gloo terminates on some errors) shows every stack
-    spec = json.loads(sys.argv[1])
-    c = Child(spec)
-    try:
-        globals()["scenario_" + spec["scenario"]](c)
-    except SystemExit:
-        raise
-    except BaseException as e:
-        c.emit("crash", **c.err(e))
-        raise
+
+    import _ranks
+    faulthandler.enable()
+    _ranks.__dict__.update({k: v for k, v in globals().items() if k.startswith("scenario_")})
+    _ranks.main()
 
 
 if __name__ == "__main__":

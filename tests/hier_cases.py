@@ -10,7 +10,6 @@ nodes in node order, rounding to the dtype after each level.
 
 import hashlib
 
-import numpy as np
 import torch
 import torch.distributed as dist
 

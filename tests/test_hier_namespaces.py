@@ -7,7 +7,6 @@ namespaces cannot be made (not root, no `ip` / `unshare`)."""
 import json
 import os
 import subprocess
-import sys
 import time
 
 import pytest
@@ -15,28 +14,17 @@ import pytest
 from benchmarks.hosts import Hosts, leftovers
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
 _OK, _WHY = Hosts.available()
 pytestmark = [pytest.mark.multiprocess, pytest.mark.torch,
               pytest.mark.skipif(not _OK, reason=f"namespaced hosts unavailable: {_WHY}")]
 
 
-def _torchrun(hosts, sizes, mode, out, port=29500):
-    """Start torchrun on every host; -> the Popen objects (logs in out/host<k>.log)."""
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               SHMCOLL_TEST_NODE_SIZES=",".join(map(str, sizes)), SHMCOLL_TEST_MODE=mode,
-               SHMCOLL_TEST_OUT=out)
-    env.pop("SHMCOLL_NODE_ID", None)
-    procs = []
-    for k, n in enumerate(sizes):
-        argv = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(sizes)}",
-                f"--node-rank={k}", f"--nproc-per-node={n}", "--max-restarts=0",
-                f"--master-addr={hosts.address(0)}", f"--master-port={port}",
-                os.path.join(HERE, "_hier_node.py")]
-        log = open(os.path.join(out, f"host{k}.log"), "wb")
-        procs.append(hosts.popen(k, argv, env=env, stdout=log, stderr=subprocess.STDOUT))
-    return procs
+def _torchrun(hosts, sizes, mode, out):
+    """torchrun of _hier_node.py on every host; -> the Popen objects (out/host<k>.log)."""
+    env = {"SHMCOLL_TEST_NODE_SIZES": ",".join(map(str, sizes)), "SHMCOLL_TEST_MODE": mode,
+           "SHMCOLL_TEST_OUT": out}
+    return hosts.torchrun(sizes, [os.path.join(HERE, "_hier_node.py")], env=env,
+                          logs=[os.path.join(out, f"host{k}.log") for k in range(len(sizes))])
 
 
 def _logs(out, sizes):

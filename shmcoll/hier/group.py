@@ -16,14 +16,13 @@ the two; this module validates, sequences, frames and fails:
 """
 
 import collections
-import copy
 import time
 
 import numpy as np
 
 from ..errors import (CollectiveMismatchError, CollectiveTimeoutError, GroupAbortedError,
                       PeerLostError, ShmcollError)
-from ..group import COLLECTIVES, describe_fingerprint
+from ..group import COLLECTIVES, Group, describe_fingerprint
 from . import faults, wire
 from .api import Collectives
 from .faults import Watchdog
@@ -138,23 +137,8 @@ class HierGroup(Collectives):
 
     # -- state ---------------------------------------------------------------------------
 
-    @property
-    def seq(self):
-        return self._seq
-
-    @property
-    def poisoned(self):
-        return self._poison
-
-    def _usable(self, name):
-        if self._closed:
-            raise ShmcollError(f"{name}: the group was closed")
-        if self._poison is not None:
-            try:
-                again = copy.copy(self._poison).with_traceback(None)
-            except Exception:
-                again = self._poison
-            raise again
+    # the engine Group's: collectives issued; the poisoning error; closed / poisoned checks
+    seq, poisoned, _usable = Group.seq, Group.poisoned, Group._usable
 
     def scratch(self, slot, nbytes, dtype=np.uint8):
         """A buffer of `nbytes` for `slot` of the running collective (slots used together
