@@ -10,12 +10,21 @@ api.py (argument checks) -> group.py (HierGroup: sequence, frame, fail).
 """
 
 from .. import config as _config
+from ..group import is_oversubscribed
 from ..shm_group import new_shm_group
 from .faults import Board
 from .group import HierGroup
 from .nodes import NodeLayout, discover, identity
 
 __all__ = ["HierGroup", "NodeLayout", "discover", "identity", "new_hier_group", "PrefixedStore"]
+
+# The sched_yield tier of the intra-node waits when the machine's ranks outnumber its cores
+# (the engine's default: 2 ms). Ranks of a node often wait while their leader is on the
+# network, and yield-polling ranks starve that path. 2 namespaced hosts x 2 ranks on the
+# 2-core VM, 2-float all_reduce, two runs each (us, shm / gloo in the same run, load ~7):
+# 2 ms 3409 / 1596 and 3785 / 1334; 50 us 1175 / 889 and 1531 / 801; 0 2100 / 1353 and
+# 1926 / 1288.
+INTRA_YIELD_NS_OVERSUBSCRIBED = 50_000
 
 
 class PrefixedStore:
@@ -56,7 +65,9 @@ def new_hier_group(store, rank, layout, make_transport, timeout_s=1800.0, cfg=No
     members = layout.nodes[node]
     intra = new_shm_group(PrefixedStore(store, f"{base}/node{node}/"), members.index(rank),
                           len(members), timeout_s, cfg, name=f"{name}:node{node}",
-                          small_pages=small_pages, ranks_here=layout.ranks_on_machine(rank))
+                          small_pages=small_pages, ranks_here=layout.ranks_on_machine(rank),
+                          yield_ns=INTRA_YIELD_NS_OVERSUBSCRIBED
+                          if is_oversubscribed(layout.ranks_on_machine(rank)) else None)
     try:
         transport = make_transport(store, base, layout, rank, timeout_s)
     except BaseException:
