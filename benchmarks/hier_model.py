@@ -29,10 +29,10 @@ import json
 import sys
 from pathlib import Path
 
-__all__ = ["fit_line", "predict_hier", "predict_ring", "main"]
+from shmcoll.hier.reduce import HIER_SHARD_MIN_NBYTES as SHARD_MIN
+from shmcoll.hier.reduce import RS_MIN_NBYTES as RS_MIN
 
-SHARD_MIN = 64 << 10
-RS_MIN = 256 << 10
+__all__ = ["fit_line", "predict_hier", "predict_ring", "main"]
 
 
 def _rows(path):

@@ -34,10 +34,10 @@ class Config:
     # namespace, then a probe segment); any string overrides, e.g. to simulate nodes on one
     # host or for setups detection gets wrong.
     node_id: str = ""
-    # Hierarchical all_reduce: below this many bytes the node leaders alone talk to other
-    # nodes (intra reduce, leaders' exchange, intra broadcast); from it every local rank
-    # exchanges its 1/L shard (intra reduce-scatter, L parallel exchanges, intra
-    # all-gather). -1 = the default in hier/algorithms (HIER_SHARD_MIN_NBYTES).
+    # Hierarchical all_reduce (and broadcast, reduce_scatter_tensor): below this many bytes
+    # the node leaders alone talk to other nodes (intra reduce, leaders' exchange, intra
+    # broadcast); from it every local rank exchanges its 1/L shard (intra reduce-scatter,
+    # L parallel exchanges, intra all-gather). -1 = hier/reduce.py's HIER_SHARD_MIN_NBYTES.
     hier_shard_min_nbytes: int = -1
 
 

@@ -13,7 +13,7 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-COUNTS = (5, 3000, 40000)  # first round inline / leaders in two rounds / sharded (default)
+COUNTS = (5, 3000, 40000)  # inline / leaders in two rounds / sharded (at a 64 KiB threshold)
 
 
 def layout(nodes):

@@ -107,11 +107,16 @@ def _job(rank, world_size, store, nodes, names, env, timeout_s):
                                   timeout_s, (nodes, names))
 
 
+# hier_cases' largest counts (40000 floats and up) take the sharded paths at this threshold
+SHARD_ENV = {"SHMCOLL_HIER_SHARD_MIN_BYTES": str(64 << 10)}
+
+
 def run_hier(nodes, names, env=None, timeout_s=60):
     """The checks `names` of hier_cases on len(nodes) ranks (rank r on node nodes[r]);
     asserts that the digests agree across ranks."""
     results = harness.run_ranks(_job, len(nodes), "processes", timeout_s + 20,
-                                (list(nodes), list(names), dict(env or {}), timeout_s))
+                                (list(nodes), list(names), dict(SHARD_ENV, **(env or {})),
+                                 timeout_s))
     assert all(r == results[0] for r in results), "ranks disagree on reduction results"
     return results
 

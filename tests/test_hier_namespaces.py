@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.torch,
 def _torchrun(hosts, sizes, mode, out):
     """torchrun of _hier_node.py on every host; -> the Popen objects (out/host<k>.log)."""
     env = {"SHMCOLL_TEST_NODE_SIZES": ",".join(map(str, sizes)), "SHMCOLL_TEST_MODE": mode,
-           "SHMCOLL_TEST_OUT": out}
+           "SHMCOLL_TEST_OUT": out, "SHMCOLL_HIER_SHARD_MIN_BYTES": str(64 << 10)}
     return hosts.torchrun(sizes, [os.path.join(HERE, "_hier_node.py")], env=env,
                           logs=[os.path.join(out, f"host{k}.log") for k in range(len(sizes))])
 
