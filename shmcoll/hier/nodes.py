@@ -1,9 +1,11 @@
 """Which ranks of a group share a host: node discovery when a group is created.
 
 A *node* is a set of ranks that can map each other's POSIX shared memory. Ranks find their
-node through the group's store, in three rounds (keys under "shmcoll/nodes/<gen>/"):
+node through the group's store, in two rounds (keys under "shmcoll/nodes/<gen>/"):
 
-  1. every rank publishes its identity key and hostname ("id/<rank>")
+  1. every rank creates a probe segment (our usual name prefix, so the stale-segment GC
+     knows it) holding a random token, and publishes its hostname, boot id, identity key
+     and the probe's name and token ("id/<rank>"):
        key = "id:" + SHMCOLL_NODE_ID when set (any string; equal strings = one node, even
              on one machine: simulated nodes, or setups detection gets wrong), else
              "auto:" + boot id | st_dev:st_ino of /dev/shm | pid namespace inode.
@@ -12,19 +14,17 @@ node through the group's store, in three rounds (keys under "shmcoll/nodes/<gen>
        machines apart, the identity of the /dev/shm mount tells private mounts apart (each
        tmpfs has its own device number), and the pid namespace keeps ranks together only
        where they can see each other's pids (liveness checks use pidfds).
-  2. candidate nodes = equal keys. The lowest rank of each candidate node with peers
-     creates a probe segment (our usual name prefix, so the stale-segment GC knows it)
-     holding a random token, and publishes its name ("probe/<rank>").
-  3. every other member opens it and compares the token, publishing "ok/<rank>" = 1 / 0.
-     A member that cannot read its leader's probe becomes a node of its own (correct,
-     only slower). The leader unlinks the probe once its members have answered.
+  2. candidate nodes = equal keys; the lowest rank of each is its leader. Every other
+     member opens the leader's probe and compares the token (it fails, e.g., across users:
+     segments are mode 0600), publishing "ok/<rank>" = 1 / 0. A member that cannot read
+     it becomes a node of its own (correct, only slower). Probes are unlinked once every
+     rank has answered.
 
 Nodes are numbered by their lowest rank; ranks inside a node are ordered by rank (local
 rank 0 is the node's leader). All of this runs once per group, at creation: a group on one
 node then runs exactly the single-node engine.
 """
 
-import datetime
 import functools
 import os
 import secrets
@@ -146,41 +146,28 @@ def discover(store, rank, world_size, timeout_s, cfg):
     deadline = _deadline(timeout_s)
     gen = store.add(f"shmcoll/nodes/gen/{rank}", 1)
     base = f"shmcoll/nodes/{gen}"
-    store.set(f"{base}/id/{rank}", f"{socket.gethostname()}\n{boot_id()}\n{identity(cfg)}")
-    values = _get_all(store, [f"{base}/id/{r}" for r in range(world_size)], deadline, timeout_s)
-    hosts, machines, keys = zip(*(v.split("\n", 2) for v in values))
-    layout = NodeLayout.from_keys(keys, hosts, machines)
-    members = layout.nodes[layout.node_of[rank]]
-    ok = _probe(store, base, rank, members, deadline, timeout_s)
-    if ok is None:  # a node of one: nothing to probe, nothing to wait for
-        store.set(f"{base}/ok/{rank}", "1")
-    oks = _get_all(store, [f"{base}/ok/{r}" for r in range(world_size)], deadline, timeout_s)
+    probe, token = _create_probe()  # read by the members if this rank leads its node
+    try:
+        store.set(f"{base}/id/{rank}", "\n".join(
+            (socket.gethostname(), boot_id(), identity(cfg), probe, token.hex())))
+        values = _get_all(store, [f"{base}/id/{r}" for r in range(world_size)], deadline,
+                          timeout_s)
+        hosts, machines, keys, probes, tokens = zip(*(v.split("\n") for v in values))
+        layout = NodeLayout.from_keys(keys, hosts, machines)
+        leader = layout.nodes[layout.node_of[rank]][0]
+        if leader != rank:
+            _unlink(probe)  # only leaders' probes are read
+        ok = leader == rank or _read_probe(probes[leader]) == bytes.fromhex(tokens[leader])
+        store.set(f"{base}/ok/{rank}", "1" if ok else "0")
+        oks = _get_all(store, [f"{base}/ok/{r}" for r in range(world_size)], deadline,
+                       timeout_s)
+    finally:
+        _unlink(probe)  # every member has answered (or this rank gives up)
     if all(v == "1" for v in oks):
         return layout
     # A member that could not read its leader's probe is a node of its own.
     keys = [k if v == "1" else f"{k}|unshared:{r}" for r, (k, v) in enumerate(zip(keys, oks))]
     return NodeLayout.from_keys(keys, hosts, machines)
-
-
-def _probe(store, base, rank, members, deadline, timeout_s):
-    """Round 2-3 for this rank: True/False (could read the leader's probe), None alone."""
-    if len(members) == 1:
-        return None
-    leader = members[0]
-    if rank == leader:
-        name, token = _create_probe()
-        try:
-            store.set(f"{base}/probe/{rank}", f"{name}\n{token.hex()}")
-            store.set(f"{base}/ok/{rank}", "1")
-            _get_all(store, [f"{base}/ok/{r}" for r in members], deadline, timeout_s)
-        finally:
-            _unlink(name)
-        return True
-    name, token_hex = _get_all(store, [f"{base}/probe/{leader}"], deadline,
-                               timeout_s)[0].split("\n")
-    ok = _read_probe(name) == bytes.fromhex(token_hex)
-    store.set(f"{base}/ok/{rank}", "1" if ok else "0")
-    return ok
 
 
 def _create_probe():
@@ -229,17 +216,20 @@ def _deadline(timeout_s):
 
 
 def _get_all(store, keys, deadline, timeout_s):
-    """Values of `keys` (str), waiting for each until `deadline`; one round trip where the
-    store has multi_get (c10d stores)."""
-    multi_get = getattr(store, "multi_get", None)
-    wait = getattr(store, "wait", None)
-    if multi_get is not None and wait is not None:
-        remaining = max(deadline - time.monotonic(), 0.001)
-        try:
-            wait(keys, datetime.timedelta(seconds=remaining))
-        except Exception as e:  # the store's own timeout error
-            missing = [k for k in keys if not store.check([k])]
+    """Values of `keys` (str), waiting until `deadline`: store.check polled with backoff from
+    100 us (c10d FileStore.wait sleeps 10 ms between its own checks), then one multi_get
+    where the store has it (c10d stores), else one get per key."""
+    check = getattr(store, "check", None)
+    if check is None:
+        return [_wait_key(store, k, deadline, timeout_s, f"store key {k!r}") for k in keys]
+    delay = 1e-4
+    while not check(keys):
+        if time.monotonic() > deadline:
+            missing = [k for k in keys if not check([k])]
             raise SegmentError(f"node discovery: timed out after {timeout_s} s waiting for "
-                               f"store keys {missing} ({e})") from None
-        return [v.decode() if isinstance(v, bytes) else str(v) for v in multi_get(keys)]
-    return [_wait_key(store, k, deadline, timeout_s, f"store key {k!r}") for k in keys]
+                               f"store keys {missing}")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.01)
+    multi_get = getattr(store, "multi_get", None)
+    values = multi_get(keys) if multi_get is not None else [store.get(k) for k in keys]
+    return [v.decode() if isinstance(v, bytes) else str(v) for v in values]
