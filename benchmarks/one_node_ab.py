@@ -3,12 +3,13 @@ then ProcessGroupShm when every rank is on one node) against "shm_direct", a cre
 builds ProcessGroupShm at once (what "shm" did before several nodes existed).
 
     python -m benchmarks.one_node_ab                      # 2 and 4 ranks, 5 rounds
-    python -m benchmarks.one_node_ab --world-sizes 2 --rounds 9 --out docs/results/one_node_ab.jsonl
+    python -m benchmarks.one_node_ab --world-sizes 2 --rounds 9 \
+        --out docs/results/one_node_ab.jsonl
 
 The same processes alternate: init A, time, destroy, init B, time, destroy, ... (A/B order
-flips every round, after one unreported warm-up of each). Reported per backend: init_process_group wall time, and the median
-over rounds of the best block time per call of dist.all_reduce at 8 B, 64 KiB and 1 MiB
-(float32, verified); then B/A ratios.
+flips every round, after one unreported warm-up of each). Reported per backend:
+init_process_group wall time, and the median over rounds of the best block time per call
+of dist.all_reduce at 8 B, 64 KiB and 1 MiB (float32, verified); then B/A ratios.
 """
 
 import argparse

@@ -26,6 +26,7 @@ from ..group import COLLECTIVES, Group, describe_fingerprint
 from . import faults, wire
 from .api import Collectives
 from .faults import Watchdog
+from .reduce import HIER_SHARD_MIN_NBYTES
 
 __all__ = ["HierGroup", "Call"]
 
@@ -44,7 +45,8 @@ class _Expired(Exception):
 
 
 class _Remote(Exception):
-    """The board says another rank failed: (type name, peer or None, message)."""
+    """The board says another rank failed: args ("<ErrorType>|<lost rank or empty>",
+    message)."""
 
 
 class Call:
@@ -109,7 +111,6 @@ class HierGroup(Collectives):
 
     def __init__(self, layout, rank, intra, transport, board, timeout_s=1800.0, name="",
                  shard_min_nbytes=None):
-        from .reduce import HIER_SHARD_MIN_NBYTES
         self.rank = rank
         self.world_size = layout.world_size
         self.layout = layout

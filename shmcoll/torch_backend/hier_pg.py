@@ -72,13 +72,13 @@ class HierProcessGroup(EngineProcessGroup):
 
     def recv(self, tensors, srcRank, tag=0):
         t = self._p2p_tensor("recv", tensors, srcRank, tag, "source")
-        buf = t if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format)
+        buf = t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype)
         work = self._world.pg.recv([buf], srcRank, tag)
         return self._track(_P2PWork("recv", work, [t], self.group, buf))
 
     def recv_anysource(self, tensors, tag=0):
         t = self._p2p_tensor("recvAnysource", tensors, None, tag, "source")
-        buf = t if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format)
+        buf = t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype)
         work = self._world.pg.recv_anysource([buf], tag)
         return self._track(_P2PWork("recvAnysource", work, [t], self.group, buf))
 

@@ -17,10 +17,10 @@ gloo facts this module works around (torch 2.13, measured here):
 - abort()/shutdown() do not wake an operation blocked on a live peer, and destroying a
   gloo group joins its threads, so a blocked operation holds the destructor until the
   peer exits or the operation's timeout (11.5 s in a test where the peer stayed 12 s).
-  Waits are therefore ours (Pending polls), and a failed group's gloo groups are never
-  destroyed (close(abandon=True) keeps them until the process exits): a peer closing its
-  connection while one is being destroyed made gloo throw out of the destructor and
-  terminate the process.
+  Waits are therefore ours (Pending: Work.wait in slices, checks between them), and a
+  failed group's gloo groups are never destroyed (close(abandon=True) keeps them until
+  the process exits): a peer closing its connection while one was being destroyed made
+  gloo throw out of the destructor and terminate the process.
 - a message larger than the buffer posted for it terminates the process: see the first
   round in hier/wire.py.
 """
