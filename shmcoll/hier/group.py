@@ -271,16 +271,18 @@ class HierGroup(Collectives):
             if str(e).startswith(prefix):
                 return e, None
             return CollectiveMismatchError(
-                f"{prefix}: ranks of {self.layout.describe_node(self.node)} disagree {where}: "
-                f"{e}"), None
+                f"{prefix}: ranks of {self.layout.describe_node(self.node)} disagree {where} "
+                f"(the node's engine, local ranks: {e})"), None
         if isinstance(e, PeerLostError):
             peer = None if e.peer is None else self.layout.rank_of(self.node, e.peer)
             who = "a local peer" if peer is None else self.who(peer)
-            return PeerLostError(f"{prefix}: {who} was lost {where}: {e}", peer=peer), peer
+            return PeerLostError(f"{prefix}: {who} was lost {where} (the node's engine, "
+                                 f"local ranks: {e})", peer=peer), peer
         if isinstance(e, (_Expired, CollectiveTimeoutError)) or \
                 (isinstance(e, wire.TransportError) and e.kind == "timeout"):
             ms = int(round(call.timeout_s * 1000))
-            detail = f" ({e})" if str(e) else ""
+            detail = f" (the node's engine, local ranks: {e})" if \
+                isinstance(e, CollectiveTimeoutError) else f" ({e})" if str(e) else ""
             self.board.where(call.seq, f"seq {call.seq} {call.name}: timed out {where}")
             return CollectiveTimeoutError(
                 f"{prefix}: Timed out waiting {ms}ms {where}{detail}. Where each rank was: "
