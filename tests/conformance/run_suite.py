@@ -1,7 +1,7 @@
 """Run PyTorch's backend-agnostic distributed test suite against a plugin backend.
 
     python -m tests.conformance.run_suite --backend shm|gloo_plugin|shm_as_gloo|gloo_as_gloo|gloo \
-        [--world-size 3] [-k PATTERN] [--subset FILE] [--timeout-per-test 120] \
+        [--world-size 3] [--nodes N] [-k PATTERN] [--subset FILE] [--timeout-per-test 120] \
         [--junit out.xml] [--jobs N] [--chunk-size 60] [--out tally.json] \
         [--features plugin,ddp,subgroup[,gpu]] [--start-method spawn|forkserver] [--list]
 
