@@ -47,6 +47,16 @@ class Config:
     cuda_sim: str = ""
     cuda_sim_device: int = 0
     cuda_sim_p2p: bool = True
+    # Several hosts (shmcoll/hier/): ranks with equal node ids form one node (shared memory
+    # inside it, gloo between nodes). "" = detect (boot id, /dev/shm identity, pid
+    # namespace, then a probe segment); any string overrides, e.g. to simulate nodes on one
+    # host or for setups detection gets wrong.
+    node_id: str = ""
+    # Hierarchical all_reduce (and broadcast, reduce_scatter_tensor): below this many bytes
+    # the node leaders alone talk to other nodes (intra reduce, leaders' exchange, intra
+    # broadcast); from it every local rank exchanges its 1/L shard (intra reduce-scatter,
+    # L parallel exchanges, intra all-gather). -1 = hier/reduce.py's HIER_SHARD_MIN_NBYTES.
+    hier_shard_min_nbytes: int = -1
 
 
 P2P_AUTO_REGION_NBYTES = 2 * MIB
@@ -77,6 +87,8 @@ _ENV = {
     "SHMCOLL_CUDA_SIM": ("cuda_sim", str),
     "SHMCOLL_CUDA_SIM_DEVICE": ("cuda_sim_device", int),
     "SHMCOLL_CUDA_SIM_P2P": ("cuda_sim_p2p", lambda v: v not in ("0", "false", "no", "")),
+    "SHMCOLL_NODE_ID": ("node_id", str),
+    "SHMCOLL_HIER_SHARD_MIN_BYTES": ("hier_shard_min_nbytes", int),
 }
 
 

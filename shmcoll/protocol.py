@@ -286,7 +286,7 @@ class Arena:
     """
 
     def __init__(self, regions, rank, layout, is_alive, describe=None, oversubscribed=False,
-                 pids=None, gil_turn=None, single_copy=NONE):
+                 pids=None, gil_turn=None, single_copy=NONE, yield_ns=YIELD_NS):
         # Compiled or loaded under the compile lock before any first use (cheap when done).
         atomics_warm_up()
         warm_up_one_step()
@@ -334,6 +334,7 @@ class Arena:
         self._free_at = [0] * layout.nslots
         self._next_slot = 0
         self._spins = 0 if oversubscribed else SPINS
+        self._yield_ns = yield_ns  # the yield tier (a shorter one: shm_group.new_shm_group)
         # Ranks that are threads of one process: (address of their "Python turn" word, my
         # id in it); see _gil_leave. (0, 0): no turn-taking (ranks that are processes).
         self._gil_addr, self._gil_me = gil_turn if gil_turn is not None else (0, 0)
@@ -341,7 +342,7 @@ class Arena:
         # The constants of the one-step kernel (_one_step_kernel), one array so that
         # the compiled call takes few arguments (each costs ~50 ns of dispatch): my words'
         # addresses, wait tiers, GIL turn, rule-4 switch; and one row per kind of peer word.
-        self._cfg = np.array([rank, self._spins, YIELD_NS, self._posted_addr, self._state_addr,
+        self._cfg = np.array([rank, self._spins, yield_ns, self._posted_addr, self._state_addr,
                               self._seq_addr, self._gil_addr, self._gil_me, 1,
                               self._fp_addrs[0]], np.int64)
         self._peer_tab = np.array([self._peer_posted, self._peer_state]
@@ -460,7 +461,7 @@ class Arena:
                              fp[0], fp[1], fp[2], fp[3], fp[4], fp[5], fp[6], fp[7],
                              self._seq_addr, self._seq, self._posted_addr, step,
                              self._peer_posted, peer_fp, self._peer_state, self._spins,
-                             YIELD_NS, self._state_addr, self._verify, self._gil_addr,
+                             self._yield_ns, self._state_addr, self._verify, self._gil_addr,
                              self._gil_me)
         self._fp_unwritten = False
         self._step = step
@@ -566,7 +567,7 @@ class Arena:
             done, r = _two_shot_kernel(
                 buf, size, sub, p, dst, fp_addr, fp[0], fp[1], fp[2], fp[3], fp[4], fp[5],
                 fp[6], fp[7], self._seq_addr, self._seq, self._posted_addr, step0,
-                self._peer_posted, peer_fp, self._peer_state, self._spins, YIELD_NS,
+                self._peer_posted, peer_fp, self._peer_state, self._spins, self._yield_ns,
                 self._state_addr, self._verify, srcs, self.rank, fn, op, pre, post,
                 self._gil_addr, self._gil_me)
             self._fp_unwritten = False
@@ -609,7 +610,7 @@ class Arena:
                 mode, src, byte_offset, nbytes, sub, k, dst, fp_addr,
                 fp[0], fp[1], fp[2], fp[3], fp[4], fp[5], fp[6], fp[7],
                 self._seq_addr, self._seq, self._posted_addr, step0, self._peer_posted, peer_fp,
-                self._peer_state, self._spins, YIELD_NS, self._state_addr, self._verify, srcs,
+                self._peer_state, self._spins, self._yield_ns, self._state_addr, self._verify, srcs,
                 self.rank, fn, op, pre, post, out, self._gil_addr, self._gil_me)
             self._fp_unwritten = False
             if self._settle(step0, nsub, done, r, fp_addr):
@@ -733,7 +734,7 @@ class Arena:
             target = self._step
         if self._known_min < target:
             jit.once(_EXCHANGE, _warm_exchange)
-            r = _wait_kernel(self._peer_posted, target, self._spins, YIELD_NS,
+            r = _wait_kernel(self._peer_posted, target, self._spins, self._yield_ns,
                              self._state_addr, self._gil_addr, self._gil_me)
             if r != -1:
                 self._wait_slow(target, r)

@@ -6,18 +6,21 @@ from . import config as _config
 from .group import Group, describe_fingerprint, is_oversubscribed
 from .p2p import P2PEngine
 from .pages import numpy_buffers_small_pages
-from .protocol import Arena, RegionLayout
+from .protocol import YIELD_NS, Arena, RegionLayout
 from .shm import PidLiveness, ShmRegions
 
 __all__ = ["new_shm_group"]
 
 
 def new_shm_group(store, rank, world_size, timeout_s=1800.0, cfg=None, name="",
-                  small_pages=None):
+                  small_pages=None, ranks_here=None, yield_ns=None):
     """Rendezvous through `store` (set/get/add, e.g. a c10d Store or shmcoll.FileStore) and
     return a ready Group. Every rank of the group must call this with the same arguments.
     `small_pages`: whether this rank's buffers are likely on 4 KiB pages (see pages.py;
-    None: numpy's arrays); the group takes True if any rank says so."""
+    None: numpy's arrays); the group takes True if any rank says so. `ranks_here`: busy
+    ranks on this machine when the group is one node of several sharing it (simulated
+    or namespaced nodes): they decide, with the cores, whether waits may spin. `yield_ns`:
+    the waits' sched_yield tier when not protocol.YIELD_NS (see hier/__init__.py)."""
     if not 0 <= rank < world_size:
         raise ValueError(f"new_shm_group: rank {rank} is outside world size {world_size}")
     # Imported here, not at module level: `python -m shmcoll.warmup` imports the package
@@ -40,9 +43,11 @@ def new_shm_group(store, rank, world_size, timeout_s=1800.0, cfg=None, name="",
     regions = ShmRegions(store, rank, world_size, layout, timeout_s, cfg.shm_dir,
                          cfg.single_copy, small_pages)
     liveness = PidLiveness(regions.pids)
-    spin = {"spin": False, "yield": True}.get(cfg.spin, is_oversubscribed(world_size))
+    spin = {"spin": False, "yield": True}.get(cfg.spin,
+                                              is_oversubscribed(ranks_here or world_size))
     arena = Arena(regions.regions, rank, layout, liveness, describe_fingerprint, oversubscribed=spin,
-                  pids=regions.pids, single_copy=regions.single_copy)
+                  pids=regions.pids, single_copy=regions.single_copy,
+                  yield_ns=YIELD_NS if yield_ns is None else yield_ns)
     try:
         p2p = P2PEngine(regions.regions, rank, layout, liveness, oversubscribed=spin, name=name)
     except BaseException:

@@ -78,7 +78,9 @@ def dev_shm_mappings(pid="self"):
 
 
 class Job:
-    """`world_size` rank processes running scenario `scenario` (see the child side)."""
+    """`world_size` rank processes running scenario `scenario` of SCRIPT (the child side)."""
+
+    SCRIPT = "_ranks.py"  # a subclass may run the scenarios of another module
 
     def __init__(self, scenario, world_size, tmp_path, args=None, torch=False, env=None,
                  timeout_s=60.0, store=None, ranks=None):
@@ -101,7 +103,7 @@ class Job:
             err_path = os.path.join(str(tmp_path), f"{scenario}-{uuid.uuid4().hex[:6]}-r{rank}.err")
             self._stderr[rank] = err_path
             with open(err_path, "wb") as err:
-                p = subprocess.Popen([sys.executable, os.path.join(HERE, "_ranks.py"),
+                p = subprocess.Popen([sys.executable, os.path.join(HERE, self.SCRIPT),
                                       json.dumps(spec)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=err, env=child_env,
                                      cwd=REPO)

@@ -12,23 +12,28 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from .hier_pg import HierProcessGroup, new_process_group
 from .process_group import EngineProcessGroup, ProcessGroupShm, ShmOptions
 
-__all__ = ["register", "EngineProcessGroup", "ProcessGroupShm", "ShmOptions",
-           "create_shm_process_group"]
+__all__ = ["register", "EngineProcessGroup", "ProcessGroupShm", "HierProcessGroup",
+           "ShmOptions", "create_shm_process_group", "new_process_group"]
 
 
 def create_shm_process_group(backend_opts, pg_options=None):
-    """Creator for dist.Backend.register_backend: one engine Group per torch group.
+    """Creator for dist.Backend.register_backend: one engine Group per torch group, or,
+    when its ranks span nodes, a hierarchical one (hier_pg.new_process_group decides).
 
     The group keeps the (prefixed) store: monitored_barrier and split_group use it.
     init_process_group's timeout wins over pg_options._timeout (as for gloo/NCCL)."""
-    _warn_if_threads_oversubscribe(backend_opts.group_size)
     options = ShmOptions.coerce(pg_options)
     options.global_ranks_in_group = list(getattr(backend_opts, "global_ranks_in_group", []))
-    return ProcessGroupShm(backend_opts.store, backend_opts.group_rank, backend_opts.group_size,
-                           options, timeout=backend_opts.timeout,
+    pg = new_process_group(backend_opts.store, backend_opts.group_rank,
+                           backend_opts.group_size, options, timeout=backend_opts.timeout,
                            group_name=str(backend_opts.group_id))
+    layout = getattr(pg, "layout", None)  # several nodes: the ranks on this machine count
+    _warn_if_threads_oversubscribe(backend_opts.group_size if layout is None else
+                                   layout.ranks_on_machine(backend_opts.group_rank))
+    return pg
 
 
 _threads_warned = False

@@ -984,10 +984,11 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
         options.global_ranks_in_group = list(ranks)
         # The rendezvous key must agree across members: torch's hashed group names need
         # not (they are re-hashed against each rank's own registry), the parent's split
-        # count and the member list do.
+        # count and the member list do. One node: a ProcessGroupShm, else hierarchical.
         store = dist.PrefixStore(f"shmcoll_split/{count}/{'_'.join(map(str, ranks))}/",
                                  self._store)
-        pg = ProcessGroupShm(store, ranks.index(self.rank()), len(ranks), options)
+        from .hier_pg import new_process_group
+        pg = new_process_group(store, ranks.index(self.rank()), len(ranks), options)
         pg._set_group_name(name)
         if group_desc:
             pg._set_group_desc(group_desc)

@@ -13,6 +13,7 @@ Environment (set by ``run_suite.py``; can be set by hand as well):
 ``BACKEND``             the name the torch suite sees (derived from the mode when unset)
 ``WORLD_SIZE``          ranks per test (default 3)
 ``TEMP_DIR``            scratch dir the suite requires at import (default: a fresh tmp dir)
+``SHMCOLL_CONF_NODES``  > 1: simulated nodes, rank r gets SHMCOLL_NODE_ID conf-node<r*N//W>
 
 Modes:
 
@@ -274,6 +275,10 @@ class TestDistBackendWithSpawn(_dt.TestDistBackend, _dt.DistributedTest._DistTes
         if env is not None:
             os.environ.clear()
             os.environ.update(env)
+        nodes = int(os.environ.get("SHMCOLL_CONF_NODES") or 0)
+        if nodes > 1:  # simulated nodes: ranks split into `nodes` consecutive blocks
+            os.environ["SHMCOLL_NODE_ID"] = \
+                f"conf-node{rank * nodes // int(os.environ['WORLD_SIZE'])}"
         super()._run(rank, test_name, file_name, pipe, **kwargs)
 
 
@@ -285,6 +290,7 @@ def describe() -> dict:
         "standin_for_gloo": STANDIN,
         "granted_features": list(GRANTED_FEATURES) if PATCH_FEATURES else [],
         "world_size": int(os.environ["WORLD_SIZE"]),
+        "simulated_nodes": int(os.environ.get("SHMCOLL_CONF_NODES") or 0),
         "start_method": START_METHOD,
         "backend_feature": {
             k: sorted(v) for k, v in DistTestCases.backend_feature.items()

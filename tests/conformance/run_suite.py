@@ -1,7 +1,7 @@
 """Run PyTorch's backend-agnostic distributed test suite against a plugin backend.
 
     python -m tests.conformance.run_suite --backend shm|gloo_plugin|shm_as_gloo|gloo_as_gloo|gloo \
-        [--world-size 3] [-k PATTERN] [--subset FILE] [--timeout-per-test 120] \
+        [--world-size 3] [--nodes N] [-k PATTERN] [--subset FILE] [--timeout-per-test 120] \
         [--junit out.xml] [--jobs N] [--chunk-size 60] [--out tally.json] \
         [--features plugin,ddp,subgroup[,gpu]] [--start-method spawn|forkserver] [--list]
 
@@ -67,6 +67,7 @@ def base_env(args, temp_dir: str) -> dict:
         SHMCOLL_CONF_TEST_TIMEOUT=str(args.timeout_per_test),
         SHMCOLL_CONF_START_METHOD=args.start_method,
         SHMCOLL_CONF_FEATURES=args.features,
+        SHMCOLL_CONF_NODES=str(args.nodes),
         PYTHONPATH=os.pathsep.join(
             [REPO, HERE] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
         ),
@@ -425,6 +426,9 @@ def main(argv=None) -> int:
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--backend", required=True, choices=MODES)
     ap.add_argument("--world-size", type=int, default=3)
+    ap.add_argument("--nodes", type=int, default=0,
+                    help="simulate this many nodes (SHMCOLL_NODE_ID per rank, consecutive "
+                         "blocks of ranks): backend shm then runs hierarchically")
     ap.add_argument("-k", dest="k", default=None, help="pytest -k expression")
     ap.add_argument("--subset", default=None,
                     help="file with one test name per line (# comments allowed)")

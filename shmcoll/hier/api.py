@@ -1,0 +1,178 @@
+"""The public collectives of HierGroup: the engine Group's signatures and argument checks
+(so torch_backend's EngineProcessGroup and fast paths run unchanged on top), then one
+framed call into reduce.py / move.py. Checks come first: a bad call raises on the calling
+rank, consumes no sequence number and leaves the group usable."""
+
+import numpy as np
+
+from ..group import Group, _bytes, _check_arrays, _code_of, _Flat, _shape
+from ..ops import ReduceOp, dtype_of, reduce_spec
+from . import move, reduce
+
+__all__ = ["Collectives"]
+
+
+class Collectives:
+    """Mixin of HierGroup (uses rank, world_size, run, _usable)."""
+
+    _split_out = Group._split_out  # list checks worded as the engine's (world_size only)
+    _split_in = Group._split_in
+
+    def _root(self, name, root):
+        if not 0 <= root < self.world_size:
+            raise ValueError(f"{name}: invalid root rank {root} (world size {self.world_size})")
+
+    def barrier(self, timeout_s=None):
+        self._usable("barrier")
+        self.run("barrier", (0, 0, 0, 0, 0), move.barrier, timeout_s=timeout_s)
+
+    def all_reduce(self, array, op=ReduceOp.SUM, dtype=None, timeout_s=None, premul=1.0):
+        """Reduce `array` over all ranks, in place (order: hier/reduce.py)."""
+        self._usable("all_reduce")
+        _check_arrays("all_reduce", [array])
+        dt = dtype_of(array, dtype)
+        reduce_spec(op, dt, self.world_size, "all_reduce", premul)
+        f = _Flat(array, dt.storage)
+        self.run("all_reduce", (dt.code, f.flat.size, 0, int(op), _shape(array)),
+                 reduce.all_reduce, f.flat, dt, op, premul, timeout_s=timeout_s,
+                 nbytes=f.flat.nbytes)
+        f.write_back()
+        return array
+
+    def reduce(self, array, root=0, op=ReduceOp.SUM, dtype=None, timeout_s=None, premul=1.0):
+        """Reduce `array` over all ranks into `root`'s array (others keep theirs)."""
+        self._usable("reduce")
+        self._root("reduce", root)
+        _check_arrays("reduce", [array])
+        dt = dtype_of(array, dtype)
+        reduce_spec(op, dt, self.world_size, "reduce", premul)
+        f = _Flat(array, dt.storage)
+        self.run("reduce", (dt.code, f.flat.size, root, int(op), _shape(array)),
+                 reduce.reduce, f.flat, dt, op, premul, root, timeout_s=timeout_s,
+                 nbytes=f.flat.nbytes)
+        if self.rank == root:
+            f.write_back()
+        return array
+
+    def reduce_scatter(self, out, ins, op=ReduceOp.SUM, dtype=None, timeout_s=None,
+                       premul=1.0):
+        """out = reduction over ranks of their ins[rank]; `ins`: a list of world_size
+        arrays (sizes may differ per destination) or one array of world_size * out.size."""
+        self._usable("reduce_scatter")
+        _check_arrays("reduce_scatter", [out])
+        dt = dtype_of(out, dtype)
+        reduce_spec(op, dt, self.world_size, "reduce_scatter", premul)
+        if type(ins) is np.ndarray and ins.flags.c_contiguous and ins.dtype == out.dtype \
+                and ins.size == self.world_size * out.size:
+            blocks = _bytes(ins).view(dt.storage)
+            sizes, form = [out.size] * self.world_size, 0
+        else:
+            ins = self._split_in("reduce_scatter", ins, out)
+            blocks = [np.ascontiguousarray(a).reshape(-1).view(dt.storage) for a in ins]
+            sizes, form = [b.size for b in blocks], 1
+        f = _Flat(out, dt.storage, copy_in=False)
+        self.run("reduce_scatter", (dt.code, sum(sizes), form, int(op), _shape(None, sizes)),
+                 reduce.reduce_scatter, f.flat, blocks, sizes, dt, op, premul,
+                 timeout_s=timeout_s, nbytes=sum(sizes) * out.itemsize)
+        f.write_back()
+        return out
+
+    def broadcast(self, array, root=0, timeout_s=None):
+        """Copy `array` from `root` to every rank, in place."""
+        self._usable("broadcast")
+        self._root("broadcast", root)
+        _check_arrays("broadcast", [array])
+        f = _Flat(array, array.dtype, copy_in=(self.rank == root))
+        self.run("broadcast", (_code_of(array), f.flat.size, root, 0, _shape(array)),
+                 move.broadcast, _bytes(f.flat), root, timeout_s=timeout_s,
+                 nbytes=f.flat.nbytes)
+        if self.rank != root:
+            f.write_back()
+        return array
+
+    def all_gather(self, outs, array, timeout_s=None):
+        """outs[j] (a list of world_size arrays, or one array of world_size * array.size
+        elements) receives rank j's `array`."""
+        self._usable("all_gather")
+        _check_arrays("all_gather", [array])
+        src = np.ascontiguousarray(array)
+        n = self.world_size
+        if type(outs) is np.ndarray and outs.flags.c_contiguous and outs.flags.writeable \
+                and outs.dtype == array.dtype and outs.size == n * array.size:
+            self.run("all_gather", (_code_of(array), src.size, 0, 0, _shape(array)),
+                     move.all_gather, _bytes(src), _bytes(outs), timeout_s=timeout_s,
+                     nbytes=src.nbytes)
+            return outs
+        outs, whole = self._split_out("all_gather", outs, array)
+        gathered = np.empty(n * src.nbytes, np.uint8)
+        self.run("all_gather", (_code_of(array), src.size, 1, 0, _shape(array)),
+                 move.all_gather, _bytes(src), gathered, timeout_s=timeout_s,
+                 nbytes=src.nbytes)
+        _unpack(gathered, outs, whole)
+        return outs
+
+    def gather(self, array, outs=None, root=0, timeout_s=None):
+        """Root's outs[j] receives rank j's array; non-roots pass outs=None."""
+        self._usable("gather")
+        self._root("gather", root)
+        _check_arrays("gather", [array])
+        src = np.ascontiguousarray(array)
+        gathered, whole = None, []
+        if self.rank == root:
+            outs, whole = self._split_out("gather", outs, array)
+            gathered = np.empty(self.world_size * src.nbytes, np.uint8)
+        self.run("gather", (_code_of(array), src.size, root, 0, _shape(array)), move.gather,
+                 _bytes(src), gathered, root, timeout_s=timeout_s, nbytes=src.nbytes)
+        if self.rank == root:
+            _unpack(gathered, outs, whole)
+        return outs
+
+    def scatter(self, out, ins=None, root=0, timeout_s=None):
+        """Rank j's `out` receives root's ins[j]; non-roots pass ins=None."""
+        self._usable("scatter")
+        self._root("scatter", root)
+        _check_arrays("scatter", [out])
+        src = None
+        if self.rank == root:
+            pieces = self._split_in("scatter", ins, out)
+            src = np.concatenate([_bytes(np.ascontiguousarray(a)) for a in pieces])
+        f = _Flat(out, out.dtype, copy_in=False)
+        self.run("scatter", (_code_of(out), f.flat.size, root, 0, _shape(out)), move.scatter,
+                 _bytes(f.flat), src, root, timeout_s=timeout_s, nbytes=f.flat.nbytes)
+        f.write_back()
+        return out
+
+    def all_to_all(self, outs, ins, timeout_s=None):
+        """outs[j] receives rank j's ins[rank]; sizes may differ per pair (must agree)."""
+        self._usable("all_to_all")
+        if len(ins) != self.world_size or len(outs) != self.world_size:
+            raise ValueError(f"all_to_all: expected {self.world_size} inputs and outputs, got "
+                             f"{len(ins)} and {len(outs)}")
+        _check_arrays("all_to_all", list(outs) + list(ins), same_dtype=True)
+        src = [_bytes(np.ascontiguousarray(a)) for a in ins]
+        flats = [_Flat(o, o.dtype, copy_in=False) for o in outs]
+        self.run("all_to_all", (_code_of(outs[0]) if outs else 0, 0, 0, 0, 0),
+                 move.all_to_all,
+                 [_bytes(f.flat) for f in flats], src, timeout_s=timeout_s,
+                 nbytes=sum(s.size for s in src))
+        for f in flats:
+            f.write_back()
+        return outs
+
+    # point-to-point goes through the torch backend's world channel (hier_pg.py)
+    def isend(self, *args, **kw):
+        raise NotImplementedError("send/recv of a group spanning nodes run through the torch "
+                                  "backend (dist.send / dist.recv)")
+
+    irecv = isend
+
+
+def _unpack(gathered, outs, whole):
+    """Write world_size equal blocks of `gathered` into the output arrays."""
+    n = gathered.size // max(len(outs), 1)
+    for j, o in enumerate(outs):
+        f = _Flat(o, o.dtype, copy_in=False)
+        _bytes(f.flat)[:] = gathered[j * n:(j + 1) * n]
+        f.write_back()
+    for w in whole:
+        w.write_back()

@@ -1,0 +1,142 @@
+"""Backend "shm" across nodes, with nodes simulated on this host (SHMCOLL_NODE_ID): node
+discovery, and every collective and point-to-point op at 2x2, 3x2, 3+1 and interleaved
+layouts (tests/hier_cases.py). Real hosts (namespaces): test_hier_namespaces.py; faults:
+test_hier_faults.py."""
+
+import threading
+
+import numpy as np
+import pytest
+
+import harness
+import hier_cases
+from shmcoll import FileStore, config
+from shmcoll.hier import NodeLayout, discover, identity, nodes, wire
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.torch]
+
+
+# ---------------------------------------------------------------------------- layouts
+
+def test_layout_numbers_nodes_by_lowest_rank_and_orders_members():
+    layout = NodeLayout.from_keys(["b", "a", "b", "a", "c"], ["hb", "ha", "hb", "ha", "hc"])
+    assert layout.nodes == ((0, 2), (1, 3), (4,))
+    assert layout.node_of == (0, 1, 0, 1, 2)
+    assert [layout.local_rank(r) for r in range(5)] == [0, 0, 1, 1, 0]
+    assert layout.shards == 1 and not layout.even and not layout.single_node
+    assert layout.channel_members(0) == (0, 1, 4)
+    assert layout.describe(3) == "rank 3 (node 1, ha)"
+    even = NodeLayout.from_keys(["x", "x", "y", "y", "z", "z"])
+    assert even.even and even.shards == 2 and even.channel_members(1) == (1, 3, 5)
+    assert even.rank_of(2, 1) == 5
+    assert NodeLayout.from_keys(["x"] * 4).single_node
+
+
+def test_identity_override_and_auto_key():
+    assert identity(config.from_env({"SHMCOLL_NODE_ID": "rack7"})) == "id:rack7"
+    auto = identity(config.from_env({}))
+    boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+    assert auto.startswith(f"auto:{boot}|") and auto.count("|") == 2
+
+
+def _discover_threads(keys_env, tmp_path, probe=None):
+    store = FileStore(str(tmp_path / "store"))
+    results, errors = [None] * len(keys_env), []
+
+    def rank(r):
+        try:
+            cfg = config.from_env(keys_env[r])
+            results[r] = discover(store, r, len(keys_env), 30.0, cfg)
+        except Exception as e:  # surfaced below
+            errors.append(e)
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(keys_env))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert all(r == results[0] for r in results)
+    return results[0]
+
+
+def test_discover_groups_ranks_by_node_id(tmp_path):
+    envs = [{"SHMCOLL_NODE_ID": k} for k in ("n0", "n1", "n0", "n1", "n2")]
+    layout = _discover_threads(envs, tmp_path)
+    assert layout.nodes == ((0, 2), (1, 3), (4,))
+
+
+def test_discover_without_override_finds_one_node(tmp_path):
+    assert _discover_threads([{}, {}, {}], tmp_path).single_node
+
+
+def test_discover_splits_a_rank_that_cannot_read_its_leaders_probe(tmp_path, monkeypatch):
+    # the second member's probe read fails: it becomes a node of its own
+    real = nodes._read_probe
+    calls = []
+
+    def read(name):
+        calls.append(name)
+        return b"" if len(calls) == 2 else real(name)
+    monkeypatch.setattr(nodes, "_read_probe", read)
+    layout = _discover_threads([{}, {}, {}], tmp_path)
+    assert layout.num_nodes == 2 and sorted(map(len, layout.nodes)) == [1, 2]
+
+
+def test_first_round_frames_compare_headers():
+    mine = wire.frame(5, (2, 3, 10, 0, 0, 77), np.arange(4, dtype=np.float32))
+    rows = np.stack([mine, mine.copy(), wire.frame(5, (2, 3, 10, 0, 4, 77))])
+    assert wire.check_frames(rows[:2], mine) == -1
+    assert wire.check_frames(rows, mine) == 2
+    assert wire.header_of(rows[2]) == (5, (2, 3, 10, 0, 4, 77))
+    assert rows[0, wire.HEADER_NBYTES:wire.HEADER_NBYTES + 16].view(np.float32).tolist() == \
+        [0, 1, 2, 3]
+
+
+# --------------------------------------------------------------------------- batteries
+
+def _checks(rank, world_size, nodes, names):
+    out = []
+    for name in names:
+        out.extend(getattr(hier_cases, name)(rank, world_size, nodes) or [])
+    return out
+
+
+def _job(rank, world_size, store, nodes, names, env, timeout_s):
+    with harness.patched_environ({"SHMCOLL_NODE_ID": nodes[rank], **env}):
+        return harness._torch_job(rank, world_size, store, _checks, "shm", "file", 0,
+                                  timeout_s, (nodes, names))
+
+
+# hier_cases' largest counts (40000 floats and up) take the sharded paths at this threshold
+SHARD_ENV = {"SHMCOLL_HIER_SHARD_MIN_BYTES": str(64 << 10)}
+
+
+def run_hier(nodes, names, env=None, timeout_s=60):
+    """The checks `names` of hier_cases on len(nodes) ranks (rank r on node nodes[r]);
+    asserts that the digests agree across ranks."""
+    results = harness.run_ranks(_job, len(nodes), "processes", timeout_s + 20,
+                                (list(nodes), list(names), dict(SHARD_ENV, **(env or {})),
+                                 timeout_s))
+    assert all(r == results[0] for r in results), "ranks disagree on reduction results"
+    return results
+
+
+LAYOUTS = {
+    "2x2": ["a", "a", "b", "b"],
+    "3x2": ["a", "a", "b", "b", "c", "c"],
+    "3+1": ["a", "a", "a", "b"],
+    "interleaved": ["a", "b", "a", "b"],  # node members are not consecutive ranks
+}
+ALL_CHECKS = [c.__name__ for c in hier_cases.ALL]
+
+
+@pytest.mark.parametrize("name", ["2x2", "3x2", "3+1"])
+def test_every_collective_and_p2p(name):
+    run_hier(LAYOUTS[name], ALL_CHECKS)
+
+
+def test_interleaved_ranks_and_small_shard_threshold():
+    """Nodes whose ranks are not consecutive, and every reduction sharded (threshold 0)."""
+    run_hier(LAYOUTS["interleaved"], ["check_all_reduce", "check_reduce_scatter",
+                                      "check_broadcast", "check_all_gather"],
+             env={"SHMCOLL_HIER_SHARD_MIN_BYTES": "0"})
