@@ -333,3 +333,26 @@ def _ddp(rank, ws, steps):
 def test_ddp_on_the_device_path():
     assert all(harness.run_torch_ranks(_on_device_path, 2, "shm", JOB_TIMEOUT_S,
                                        args=(_ddp, 5), env=_sim_env()))
+
+
+def _device_across_nodes(rank, ws):
+    try:
+        dist.all_reduce(torch.ones(4))
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def _node_job(rank, ws, store, timeout_s):
+    with harness.patched_environ({"SHMCOLL_NODE_ID": "ab"[rank], **SIM}):
+        return harness._torch_job(rank, ws, store, _device_across_nodes, "shm", "file", 0,
+                                  timeout_s, ())
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_device_tensors_in_a_group_across_nodes_are_refused_clearly():
+    """A group spanning (simulated) nodes: device tensors get a clear error at the call on
+    every rank (cuda_ipc serves one node), not a hang or a wrong path."""
+    out = harness.run_ranks(_node_job, 2, "processes", JOB_TIMEOUT_S, args=(60,))
+    assert all("spans 2 nodes" in m and "within one node" in m for m in out), out

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from .. import config as _config
 from ..errors import GroupAbortedError
 from ..hier import discover, new_hier_group
+from . import checks
 from .inter_node import make_transport
 from .process_group import EngineProcessGroup, ProcessGroupShm, ShmOptions
 from .work import torch_error
@@ -82,8 +83,17 @@ class HierProcessGroup(EngineProcessGroup):
         work = self._world.pg.recv_anysource([buf], tag)
         return self._track(_P2PWork("recvAnysource", work, [t], self.group, buf))
 
+    def _device_path(self, tensors):
+        """CUDA tensors (cuda_ipc) are served inside one node only, for now."""
+        raise checks.ArgumentError(
+            f"ProcessGroupShm: this group spans {self.layout.num_nodes} nodes, and CUDA tensors "
+            f"are supported within one node only (cuda_ipc); use NCCL for multi-node CUDA jobs")
+
     def _p2p_tensor(self, name, tensors, peer, tag, what):
-        _, tensors = self._p2p_args(name, tensors, peer, tag, what)
+        if any(isinstance(t, torch.Tensor) and t.is_cuda for t in
+               ([tensors] if isinstance(tensors, torch.Tensor) else tensors)):
+            self._device_path(tensors)
+        _, tensors, _ = self._p2p_args(name, tensors, peer, tag, what)
         poison = self.group.poisoned
         if poison is not None or self._closed:
             raise torch_error(GroupAbortedError(
