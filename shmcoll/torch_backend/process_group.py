@@ -372,6 +372,7 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
             checks.fail(name, f"unsupported device type {tensors[0].device.type}")
         if tensors[0].layout != torch.strided:
             checks.fail(name, f"unsupported layout {tensors[0].layout}")
+        checks.dense(name, tensors)
         arrays, op, premul = self._prepare_reduce(name, tensors, opts.reduceOp)
         t_s = self._op_timeout(opts)
 
