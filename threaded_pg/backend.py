@@ -26,6 +26,7 @@ from shmcoll.torch_backend.executor import Executor
 
 from . import world
 from .group import bind_rank, current_rank, new_threaded_group
+from .rng import in_rng_section
 
 __all__ = ["register", "backend_name", "create_threaded_process_group", "ThreadedProcessGroup",
            "RankThreadExecutor", "BACKEND", "ALIAS"]
@@ -60,6 +61,14 @@ class RankThreadExecutor(Executor):
         self._rank = current_rank()
         super().__init__(name, on_abort)
 
+    def submit(self, job):
+        _not_in_rng_section()
+        return super().submit(job)
+
+    def run_inline(self, fn, *args):
+        _not_in_rng_section()
+        return super().run_inline(fn, *args)
+
     def _submitted(self):
         self._last_submit = time.monotonic()  # (also when parked: the worker polls again)
         if self._parked:
@@ -83,6 +92,15 @@ class RankThreadExecutor(Executor):
             world.follow(self._world)
         if self._rank is not None:
             bind_rank(*self._rank)
+
+
+def _not_in_rng_section():
+    if in_rng_section():
+        binding = current_rank()
+        rank = binding[1] if binding else "?"
+        raise RuntimeError(
+            f"rank {rank}: a collective inside threaded_pg.rng_lock(): the ranks take turns "
+            f"through that section, so no peer could join it; leave collectives out of it")
 
 
 class ThreadedProcessGroup(EngineProcessGroup):
