@@ -259,3 +259,41 @@ def test_p2p_future_callback_waits_for_p2p_shm():
 
 def test_p2p_future_callback_waits_for_p2p_threaded():
     assert threaded_pg.spawn(_p2p_callback_waits_for_p2p, 2)[1] == [3.0] * 3
+
+
+def _ddp_peer_lost(rank, world_size):
+    """DDP's backward on rank 0 after rank 1 closed its group: the lost peer surfaces as
+    itself (a PeerLostError message), through the future's error state, which DDP's C++
+    reads (no segfault on an exception taken for a value, no failure to pickle it)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    ddp = DDP(torch.nn.Linear(4, 2))
+    if rank == 1:
+        dist.destroy_process_group()
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        return None
+    time.sleep(0.2)
+    try:
+        ddp(torch.ones(3, 4)).sum().backward()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_lost_peer_error_surfaces_in_ddp_shm():
+    text = harness.run_torch_ranks(_ddp_peer_lost, 2, "shm", JOB_TIMEOUT_S)[0]
+    assert "PeerLostError" in text and "rank 1" in text and "Pickl" not in text, text
+
+
+def test_retyped_errors_pickle():
+    """torch pickles a future's error value (looking for tensors in it)."""
+    import pickle
+
+    from shmcoll.errors import CollectiveTimeoutError, PeerLostError
+    from shmcoll.torch_backend.work import torch_error
+
+    for error in (PeerLostError("lost", peer=1), CollectiveTimeoutError("Timed out")):
+        again = pickle.loads(pickle.dumps(torch_error(error)))
+        assert isinstance(again, type(error)) and isinstance(again, dist.DistBackendError)
+        assert again.args == error.args and again.__dict__ == error.__dict__

@@ -22,7 +22,11 @@ def torch_error(e):
         return new
     mixed = _ERROR_TYPES.get(cls)
     if mixed is None:
-        mixed = type(cls.__name__, (cls, dist.DistBackendError), {"__module__": cls.__module__})
+        # __reduce__: pickle finds `cls` by name, not this class made here (an error
+        # crossing processes, or torch looking for tensors in a value by pickling it)
+        mixed = type(cls.__name__, (cls, dist.DistBackendError), {
+            "__module__": cls.__module__,
+            "__reduce__": lambda self: (_rebuild, (cls, self.args, dict(self.__dict__)))})
         _ERROR_TYPES[cls] = mixed
     # OSError-based errors (CollectiveTimeoutError is a TimeoutError, SegmentError an
     # OSError) need OSError's __new__: mixed.__new__ resolves to RuntimeError's, which
@@ -36,6 +40,14 @@ def torch_error(e):
     return new
 
 
+def _rebuild(cls, args, state):
+    """Unpickle a re-typed error: rebuild it as `cls`, then re-type it again."""
+    e = (OSError.__new__ if issubclass(cls, OSError) else cls.__new__)(cls)
+    e.args = args
+    e.__dict__.update(state)
+    return torch_error(e)
+
+
 class Job:
     """One queued operation: `fn()` runs it; `outputs` become the future's value.
 
@@ -44,8 +56,8 @@ class Job:
     settles the future and the event (never holding that lock, and in issue order: the
     future's callbacks run there, and they may issue and wait for further operations)."""
 
-    __slots__ = ("name", "fn", "outputs", "event", "error", "future", "source_rank",
-                 "finished")
+    __slots__ = ("name", "fn", "outputs", "event", "error", "future", "_settled",
+                 "source_rank", "finished")
 
     def __init__(self, name, fn, outputs):
         self.name = name
@@ -53,7 +65,14 @@ class Job:
         self.outputs = outputs
         self.event = threading.Event()
         self.error = None
-        self.future = torch.futures.Future()
+        # The future users and torch's C++ (DDP's Reducer) see is a `then` of a private
+        # one: a failure raised in that callback puts the future in torch's error state.
+        # Future.set_exception(e) would not: it sets `e` as the *value*, with an unwrap
+        # function only Python's wait() applies; DDP's C++ took the exception object for
+        # its tensors (a segfault; before, only torch's failure to pickle our errors
+        # turned it into an error).
+        self._settled = torch.futures.Future()
+        self.future = self._settled.then(self._result)
         self.source_rank = -1
         self.finished = False
 
@@ -77,11 +96,13 @@ class Job:
         """Settle the future (running its callbacks here), then the event: wait() returns
         on the event, so `work.wait(); work.get_future().value()` never sees an incomplete
         future, and, as with gloo, wait() returns after the callbacks ran."""
-        if self.error is not None:
-            self.future.set_exception(self.error)
-        else:
-            self.future.set_result(self.outputs)
+        self._settled.set_result(None)
         self.event.set()
+
+    def _result(self, _):
+        if self.error is not None:
+            raise self.error
+        return self.outputs
 
     def fail(self, error):
         """Mark a job that never ran as failed (complete() then settles it)."""
@@ -113,7 +134,7 @@ class ShmWork(dist.Work):
             if self._executor._on_abort is not None:
                 self._executor._on_abort()
             raise err
-        self._job.event.wait()  # set right after the future completes (Job.run)
+        self._job.event.wait()  # set right after the future completes (Job.complete)
         if self._job.error is not None:
             raise self._job.error
         return True
