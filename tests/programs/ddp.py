@@ -33,11 +33,13 @@ def _train(ddp, data, lr=0.05, opt=None):
     return torch.stack(losses)
 
 
-def _hook_program(hook, state_fn=None, bucket_cap_mb=0.001):
+def _ddp_program(hook=None, state_fn=None, bucket_cap_mb=0.001, **ddp_kwargs):
+    """STEPS steps of SGD on DDP(mlp(), **ddp_kwargs), with comm hook `hook` if given."""
     def run(rank, world_size, workdir):
         model = mlp()
-        ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
-        ddp.register_comm_hook(state_fn() if state_fn else None, hook)
+        ddp = DDP(model, bucket_cap_mb=bucket_cap_mb, **ddp_kwargs)
+        if hook is not None:
+            ddp.register_comm_hook(state_fn() if state_fn else None, hook)
         losses = _train(ddp, batches(rank, STEPS))
         return {**params(model), "losses": losses}
     return run
@@ -54,26 +56,26 @@ def _powersgd_state(**kw):
 # The PowerSGD hooks issue collectives from future callbacks: with several buckets those
 # would race the next bucket's hook issued from the autograd thread (any backend), so this
 # model's parameters go in one bucket.
-program("ddp_hook_allreduce")(_hook_program(default_hooks.allreduce_hook))
-program("ddp_hook_fp16_compress")(_hook_program(default_hooks.fp16_compress_hook))
+program("ddp_hook_allreduce")(_ddp_program(default_hooks.allreduce_hook))
+program("ddp_hook_fp16_compress")(_ddp_program(default_hooks.fp16_compress_hook))
 program("ddp_hook_bf16_compress", torch_fails="bf16_compress_hook requires CUDA 11+ with "
         "NCCL 2.10+ (or XPU): it refuses a gloo-like CPU group")(
-    _hook_program(default_hooks.bf16_compress_hook))
-program("ddp_hook_noop")(_hook_program(debugging_hooks.noop_hook))
-program("ddp_hook_powerSGD")(_hook_program(powersgd.powerSGD_hook, _powersgd_state(),
+    _ddp_program(default_hooks.bf16_compress_hook))
+program("ddp_hook_noop")(_ddp_program(debugging_hooks.noop_hook))
+program("ddp_hook_powerSGD")(_ddp_program(powersgd.powerSGD_hook, _powersgd_state(),
                                            bucket_cap_mb=25))
 program("ddp_hook_batched_powerSGD", torch_fails="torch 2.13's batched_powerSGD_hook hands "
-        "its 2-D Q matrix to _orthogonalize, which now asserts a 3-D batch")(_hook_program(
+        "its 2-D Q matrix to _orthogonalize, which now asserts a 3-D batch")(_ddp_program(
     powersgd.batched_powerSGD_hook, _powersgd_state(), bucket_cap_mb=25))
-program("ddp_hook_fp16_powerSGD")(_hook_program(
+program("ddp_hook_fp16_powerSGD")(_ddp_program(
     default_hooks.fp16_compress_wrapper(powersgd.powerSGD_hook), _powersgd_state(),
     bucket_cap_mb=25))
 _QUANTIZE = ("the quantization hooks index dist.all_gather's future value as NCCL's (a list "
              "holding the output list); gloo's, like shm's, is the output list itself, so "
              "they index a tensor once too often (IndexError)")
-program("ddp_hook_quantize_per_tensor", torch_fails=_QUANTIZE)(_hook_program(
+program("ddp_hook_quantize_per_tensor", torch_fails=_QUANTIZE)(_ddp_program(
     quantization_hooks.quantization_pertensor_hook))
-program("ddp_hook_quantize_per_channel", torch_fails=_QUANTIZE)(_hook_program(
+program("ddp_hook_quantize_per_channel", torch_fails=_QUANTIZE)(_ddp_program(
     quantization_hooks.quantization_perchannel_hook))
 
 
@@ -133,20 +135,8 @@ def ddp_find_unused(rank, world_size, workdir):
     return params(model)
 
 
-@program("ddp_static_graph")
-def ddp_static_graph(rank, world_size, workdir):
-    model = mlp()
-    ddp = DDP(model, static_graph=True, bucket_cap_mb=0.001)
-    losses = _train(ddp, batches(rank, STEPS))
-    return {**params(model), "losses": losses}
-
-
-@program("ddp_gradient_as_bucket_view")
-def ddp_bucket_view(rank, world_size, workdir):
-    model = mlp()
-    ddp = DDP(model, gradient_as_bucket_view=True, bucket_cap_mb=0.001)
-    losses = _train(ddp, batches(rank, STEPS))
-    return {**params(model), "losses": losses}
+program("ddp_static_graph")(_ddp_program(static_graph=True))
+program("ddp_gradient_as_bucket_view")(_ddp_program(gradient_as_bucket_view=True))
 
 
 @program("zero_redundancy_optimizer")
