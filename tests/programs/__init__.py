@@ -27,17 +27,21 @@ class Program:
     compare: object = BITWISE  # or (rtol, atol, reason)
     slow: bool = False  # -m slow only (a fast variant of the same program runs in CI)
     torch_fails: str = ""  # why torch itself cannot run it on CPU (gloo fails the same way)
+    # (reason, keys) for a program that draws from torch's global RNG mid-run, which rank
+    # threads share: on threads only `keys` are held against gloo, and the parameters
+    # (keys without "loss") must agree across the ranks
+    threads_rng: tuple = ()
 
 
 _REGISTRY = {}
 
 
-def program(name, compare=BITWISE, slow=False, torch_fails=""):
+def program(name, compare=BITWISE, slow=False, torch_fails="", threads_rng=()):
     """Register `fn` as program `name` (a decorator)."""
     def register(fn):
         if name in _REGISTRY:
             raise ValueError(f"program {name!r} registered twice")
-        _REGISTRY[name] = Program(name, fn, compare, slow, torch_fails)
+        _REGISTRY[name] = Program(name, fn, compare, slow, torch_fails, threads_rng)
         return fn
     return register
 

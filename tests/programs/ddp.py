@@ -45,11 +45,32 @@ def _ddp_program(hook=None, state_fn=None, bucket_cap_mb=0.001, **ddp_kwargs):
     return run
 
 
-def _powersgd_state(**kw):
+POWERSGD_START = 2  # iterations of plain all_reduce before PowerSGD compresses
+
+
+def _powersgd_state():
     return lambda: powersgd.PowerSGDState(
-        process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2,
-        min_compression_rate=0.5, use_error_feedback=True, warm_start=True, random_seed=0,
-        **kw)
+        process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=POWERSGD_START,
+        min_compression_rate=0.5, use_error_feedback=True, warm_start=True, random_seed=0)
+
+
+def _powersgd_program(hook):
+    """PowerSGD also returns the losses up to the first compressed step."""
+    run_ddp = _ddp_program(hook, _powersgd_state(), bucket_cap_mb=25)
+
+    def run(rank, world_size, workdir):
+        out = run_ddp(rank, world_size, workdir)
+        out["losses_uncompressed"] = out["losses"][:POWERSGD_START + 1].clone()
+        return out
+    return run
+
+
+_POWERSGD_RNG = (
+    "PowerSGD draws its random projection inside the hook from torch's global generator "
+    "(fork_rng, manual_seed, randn). Rank threads share that generator and interleave the "
+    "draws, so the projection differs from the one in gloo's processes; the parameters still "
+    "agree across ranks, and the losses before compression match bitwise",
+    ("losses_uncompressed",))
 
 
 # Tiny buckets (several allreduces per backward) for the hooks without nested collectives.
@@ -62,14 +83,13 @@ program("ddp_hook_bf16_compress", torch_fails="bf16_compress_hook requires CUDA 
         "NCCL 2.10+ (or XPU): it refuses a gloo-like CPU group")(
     _ddp_program(default_hooks.bf16_compress_hook))
 program("ddp_hook_noop")(_ddp_program(debugging_hooks.noop_hook))
-program("ddp_hook_powerSGD")(_ddp_program(powersgd.powerSGD_hook, _powersgd_state(),
-                                           bucket_cap_mb=25))
+program("ddp_hook_powerSGD", threads_rng=_POWERSGD_RNG)(
+    _powersgd_program(powersgd.powerSGD_hook))
 program("ddp_hook_batched_powerSGD", torch_fails="torch 2.13's batched_powerSGD_hook hands "
-        "its 2-D Q matrix to _orthogonalize, which now asserts a 3-D batch")(_ddp_program(
-    powersgd.batched_powerSGD_hook, _powersgd_state(), bucket_cap_mb=25))
-program("ddp_hook_fp16_powerSGD")(_ddp_program(
-    default_hooks.fp16_compress_wrapper(powersgd.powerSGD_hook), _powersgd_state(),
-    bucket_cap_mb=25))
+        "its 2-D Q matrix to _orthogonalize, which now asserts a 3-D batch")(
+    _powersgd_program(powersgd.batched_powerSGD_hook))
+program("ddp_hook_fp16_powerSGD", threads_rng=_POWERSGD_RNG)(
+    _powersgd_program(default_hooks.fp16_compress_wrapper(powersgd.powerSGD_hook)))
 _QUANTIZE = ("the quantization hooks index dist.all_gather's future value as NCCL's (a list "
              "holding the output list); gloo's, like shm's, is the output list itself, so "
              "they index a tensor once too often (IndexError)")
