@@ -134,6 +134,45 @@ def test_config_validates_cuda_settings():
     assert not config.from_env({"SHMCOLL_CUDA_SIM_P2P": "0"}).cuda_sim_p2p
 
 
+class _Request:
+    """A stand-in engine p2p request, completed by the test."""
+
+    op, error, source = "recv", None, 0
+
+    def __init__(self):
+        import threading
+        self._done, self._callbacks = threading.Event(), []
+
+    def add_done_callback(self, fn):
+        self._callbacks.append(fn)
+
+    def is_completed(self):
+        return self._done.is_set()
+
+    def wait(self, timeout_s=None):
+        self._done.wait(timeout_s)
+
+    def finish(self):
+        """As the engine: the event first, then the callbacks (here: later, elsewhere)."""
+        self._done.set()
+
+
+def test_staged_receive_is_copied_in_before_wait_returns():
+    """A CUDA recv is staged through a host tensor; its copy into the device tensor must be
+    enqueued before work.wait() returns, even when the engine's completing thread has not
+    yet run its callbacks (the engine sets its event first), and exactly once."""
+    from shmcoll.torch_backend.p2p import P2PWork
+    calls = []
+    req = _Request()
+    work = P2PWork("recv", req, [torch.zeros(1)], copy_in=lambda: calls.append("copy"))
+    req.finish()
+    assert work.wait()
+    assert calls == ["copy"]
+    for fn in req._callbacks:  # the completing thread catches up
+        fn(req)
+    assert calls == ["copy"] and work.get_future().wait()[0].shape == (1,)
+
+
 # ------------------------------------------- the torch.distributed surface, device path
 
 def _sim_env(**extra):

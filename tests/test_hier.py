@@ -140,3 +140,22 @@ def test_interleaved_ranks_and_small_shard_threshold():
     run_hier(LAYOUTS["interleaved"], ["check_all_reduce", "check_reduce_scatter",
                                       "check_broadcast", "check_all_gather"],
              env={"SHMCOLL_HIER_SHARD_MIN_BYTES": "0"})
+
+
+def test_inter_node_p2p_future_fails_with_the_error():
+    """A failed send/recv across nodes fails its future and its wait(), naming the op."""
+    import torch
+    from shmcoll.torch_backend.hier_pg import _P2PWork
+
+    class _Failing:
+        def wait(self):
+            raise RuntimeError("connection closed by peer")
+
+    class _Group:
+        poisoned = None
+
+    work = _P2PWork("recv", _Failing(), [torch.zeros(2)], _Group())
+    with pytest.raises(RuntimeError, match="recv: connection closed by peer"):
+        work.get_future().wait()
+    with pytest.raises(RuntimeError, match="recv: connection closed by peer"):
+        work.wait()

@@ -5,7 +5,8 @@ rank threads; new_threaded_group(rendezvous, rank, world_size) -> shmcoll Group 
 in-process regions with the shm protocol (threaded_pg.arena).
 With torch installed, importing threaded_pg also registers the torch.distributed backend
 "threaded" (or "shmcoll_threaded" when torch's own threaded PG holds that name) and exports
-spawn(), the @ranks(n) decorator and ThreadedTestCase.
+spawn(), the @ranks(n) decorator, ThreadedTestCase, and rng_lock() (rank threads share
+torch's RNG: threaded_pg/rng.py).
 """
 
 from .group import Rendezvous, new_threaded_group
@@ -20,13 +21,14 @@ def _load_torch_part():
         import torch.distributed  # noqa: F401
     except ImportError:
         return  # numpy-only install: the engine works without torch
-    global spawn, ranks, ThreadedTestCase, backend_name
+    global spawn, ranks, ThreadedTestCase, backend_name, rng_lock
     from .backend import backend_name, register
+    from .rng import rng_lock
     from .spawn import spawn
     from .testing import ThreadedTestCase, ranks
 
     register()
-    __all__.extend(["spawn", "ranks", "ThreadedTestCase", "backend_name"])
+    __all__.extend(["spawn", "ranks", "ThreadedTestCase", "backend_name", "rng_lock"])
 
 
 _load_torch_part()

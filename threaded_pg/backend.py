@@ -12,9 +12,9 @@ register "threaded" only if the name is free, and always register the alias
 our creator. Importing torch's module after ours therefore leaves both usable: torch's tests
 get theirs under "threaded", spawn() uses ours under the alias.
 
-RankThreadExecutor subclasses shmcoll.torch_backend.work.Executor and uses its internals
-(_cv, _queue, _stopped, _running, _run_until); EngineProcessGroup.executor_class is the hook
-that installs it.
+RankThreadExecutor subclasses shmcoll.torch_backend.executor.Executor through its hooks
+(_submitted, _idle_wait, _woken, _thread_init; it holds _cv in them);
+EngineProcessGroup.executor_class is the hook that installs it.
 """
 
 import time
@@ -22,9 +22,11 @@ import time
 import torch.distributed as dist
 
 from shmcoll.torch_backend.process_group import EngineProcessGroup, ShmOptions
-from shmcoll.torch_backend.work import Executor
+from shmcoll.torch_backend.executor import Executor
 
-from .group import current_rank, new_threaded_group
+from . import world
+from .group import bind_rank, current_rank, new_threaded_group
+from .rng import in_rng_section
 
 __all__ = ["register", "backend_name", "create_threaded_process_group", "ThreadedProcessGroup",
            "RankThreadExecutor", "BACKEND", "ALIAS"]
@@ -34,7 +36,8 @@ ALIAS = "shmcoll_threaded"
 
 
 class RankThreadExecutor(Executor):
-    """The Executor for ranks that are threads: submitting does not wake the worker.
+    """The Executor for ranks that are threads: submitting does not wake the worker, and
+    the worker threads act for the rank that created the group.
 
     A synchronous call (dist.all_reduce(t)) waits right after submitting and runs its job
     on the rank thread (Executor.wait); waking the worker as well, on every call, costs
@@ -42,6 +45,10 @@ class RankThreadExecutor(Executor):
     when all ranks share one GIL. The worker instead looks for jobs nobody runs (async ops
     not waited yet, futures waited from C++) every POLL_S while the group is in use, and
     sleeps until the next submission (which then wakes it) after IDLE_S without one.
+
+    Future callbacks run on the worker threads (Executor), and a callback calls dist.* like
+    rank code does (PowerSGD's issue collectives on the default group): so every worker
+    thread sees the creating rank's torch world and rank binding (world.follow).
     """
 
     POLL_S = 2e-3  # an async op nobody waits on starts at most this late
@@ -50,24 +57,50 @@ class RankThreadExecutor(Executor):
     def __init__(self, name, on_abort=None):
         self._parked = False
         self._last_submit = time.monotonic()
+        self._world = world.current()  # the creating rank thread's (None elsewhere)
+        self._rank = current_rank()
         super().__init__(name, on_abort)
 
     def submit(self, job):
-        with self._cv:
-            self._last_submit = time.monotonic()  # (also when parked: the worker polls again)
-            if not (self._stopped or self._parked):
-                self._queue.append(job)
-                return job
-        return super().submit(job)  # shut down: raises; parked worker: queue and wake it
+        _not_in_rng_section()
+        return super().submit(job)
+
+    def run_inline(self, fn, *args):
+        _not_in_rng_section()
+        return super().run_inline(fn, *args)
+
+    def _submitted(self):
+        self._last_submit = time.monotonic()  # (also when parked: the worker polls again)
+        if self._parked:
+            self._cv.notify()
 
     _BUSY_RETRY_S = POLL_S
 
-    def _idle_wait(self):
-        self._parked = time.monotonic() - self._last_submit > self.IDLE_S
-        self._cv.wait(None if self._parked else self.POLL_S)
+    def _idle_wait(self, helper, timeout):
+        if not helper:
+            self._parked = timeout is None and time.monotonic() - self._last_submit > self.IDLE_S
+            if self._parked:
+                self._cv.wait()
+                return
+        self._cv.wait(self.POLL_S if timeout is None else min(timeout, self.POLL_S))
 
     def _woken(self):
         self._parked = False
+
+    def _thread_init(self):
+        if self._world is not None:
+            world.follow(self._world)
+        if self._rank is not None:
+            bind_rank(*self._rank)
+
+
+def _not_in_rng_section():
+    if in_rng_section():
+        binding = current_rank()
+        rank = binding[1] if binding else "?"
+        raise RuntimeError(
+            f"rank {rank}: a collective inside threaded_pg.rng_lock(): the ranks take turns "
+            f"through that section, so no peer could join it; leave collectives out of it")
 
 
 class ThreadedProcessGroup(EngineProcessGroup):

@@ -24,7 +24,8 @@ from shmcoll.protocol import RegionLayout
 
 from .arena import RankStates, ThreadRegions, is_spin_off, new_thread_arena, thread_liveness
 
-__all__ = ["Rendezvous", "new_threaded_group", "GroupRecord", "bind_rank", "current_rank"]
+__all__ = ["Rendezvous", "new_threaded_group", "GroupRecord", "Turn", "bind_rank",
+           "current_rank"]
 
 # Which spawn and rank the calling thread belongs to: a per-thread pointer set by the spawn
 # for its own rank threads (not a registry: nothing here outlives the thread's binding).
@@ -80,6 +81,7 @@ class Rendezvous:
         self._generations = {}  # (global_rank, name) -> joins so far
         self._records = []  # live GroupRecords, in creation order
         self._aborted = False
+        self.rng_turn = Turn(self)  # threaded_pg.rng_lock
 
     # -- membership ------------------------------------------------------------------------
 
@@ -197,6 +199,47 @@ class Rendezvous:
     @property
     def aborted(self):
         return self._aborted
+
+
+class Turn:
+    """Mutual exclusion among one spawn's rank threads, re-entrant per thread; a wait ends
+    in GroupAbortedError when the spawn is aborted, or in CollectiveTimeoutError after the
+    rendezvous timeout (naming the rank holding the turn)."""
+
+    _POLL_S = 0.05  # how often a waiter looks at the spawn's abort flag
+
+    def __init__(self, rendezvous):
+        self._rendezvous = rendezvous
+        self._cv = threading.Condition()
+        self._holder = None  # thread
+        self._holder_rank = None
+        self._depth = 0
+
+    def acquire(self, rank):
+        me = threading.current_thread()
+        wait_s = self._rendezvous.timeout_s
+        deadline = time.monotonic() + wait_s
+        with self._cv:
+            while self._holder is not None and self._holder is not me:
+                if self._rendezvous.aborted:
+                    raise GroupAbortedError(f"rank {rank}: threaded_pg.rng_lock: the spawn was "
+                                            f"aborted while waiting for the turn")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise CollectiveTimeoutError(
+                        f"rank {rank}: threaded_pg.rng_lock: Timed out waiting "
+                        f"{int(round(wait_s * 1000))}ms for rank {self._holder_rank} to leave "
+                        f"its section")
+                self._cv.wait(min(remaining, self._POLL_S))
+            self._holder, self._holder_rank = me, rank
+            self._depth += 1
+
+    def release(self):
+        with self._cv:
+            self._depth -= 1
+            if self._depth == 0:
+                self._holder = self._holder_rank = None
+                self._cv.notify_all()
 
 
 class _LazyP2P:

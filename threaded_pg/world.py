@@ -27,7 +27,8 @@ import threading
 import torch
 import torch.distributed.distributed_c10d as c10d
 
-__all__ = ["install", "uninstall", "bind", "unbind", "check_torch", "TORCH_CHECKED"]
+__all__ = ["install", "uninstall", "bind", "unbind", "current", "follow", "check_torch",
+           "TORCH_CHECKED"]
 
 TORCH_CHECKED = "2.13"
 
@@ -98,13 +99,27 @@ class _ThreadLocalWorld(threading.local, _RankWorld):
         self.__dict__.clear()
 
     def __getattr__(self, name):
-        if "_bound" in self.__dict__:
+        own = self.__dict__
+        if "_bound" in own:
             raise AttributeError(name)
+        followed = own.get("_follow")
+        if followed is not None:  # a rank's helper thread (follow): the rank's world
+            try:
+                return followed[name]
+            except KeyError:
+                raise AttributeError(name) from None
         return getattr(type(self)._fallback, name)
 
     def __setattr__(self, name, value):
-        if "_bound" in self.__dict__:
+        own = self.__dict__
+        if "_bound" in own:
             super().__setattr__(name, value)
+        elif "_follow" in own:
+            prop = getattr(type(self), name, None)
+            if isinstance(prop, property):
+                prop.__set__(self, value)  # its setter stores the private name: below
+            else:
+                own["_follow"][name] = value
         else:
             setattr(type(self)._fallback, name, value)
 
@@ -154,3 +169,22 @@ def bind():
 
 def unbind():
     _proxy.unbind()
+
+
+def current():
+    """The calling rank thread's world (an opaque handle for follow), or None when the
+    calling thread is not a bound rank thread."""
+    proxy = _proxy
+    if proxy is None:
+        return None
+    own = proxy.__dict__
+    return own if "_bound" in own else None
+
+
+def follow(handle):
+    """Make the calling thread (one that is not a rank thread: a process group's worker,
+    which runs future callbacks) read and write the world of the rank whose current() gave
+    `handle`, for as long as the thread lives."""
+    proxy = _proxy
+    if proxy is not None and handle is not None:
+        proxy.__dict__["_follow"] = handle

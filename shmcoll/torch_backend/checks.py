@@ -100,9 +100,15 @@ same_size = size_match
 
 
 def dense(name, items):
+    """Strided tensors whose memory holds their values: a lazily conjugated or negated
+    view (`z.conj()`, `z.conj().imag`) keeps the original values in memory plus a flag."""
     for i, t in enumerate(items):
         if t.layout != torch.strided:
             fail(name, f"only supports dense tensors (got {t.layout} at index {i})")
+        if t.is_conj() or t.is_neg():
+            fail(name, f"the tensor at index {i} is a lazily "
+                       f"{'conjugated' if t.is_conj() else 'negated'} view; its memory does "
+                       f"not hold its values (call .resolve_conj() / .resolve_neg() first)")
 
 
 def cpu(name, items):

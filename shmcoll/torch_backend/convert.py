@@ -8,7 +8,8 @@ import torch.distributed as dist
 
 from ..ops import ReduceOp
 
-__all__ = ["as_array", "engine_dtype", "reduce_op", "timeout_s", "to_seconds", "SUPPORTED_DTYPES"]
+__all__ = ["as_array", "tensor_array", "plain_array", "engine_dtype", "reduce_op", "timeout_s",
+           "to_seconds", "SUPPORTED_DTYPES"]
 
 SUPPORTED_DTYPES = {
     torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
@@ -16,8 +17,15 @@ SUPPORTED_DTYPES = {
     torch.int8: "int8", torch.uint8: "uint8", torch.int16: "int16", torch.int32: "int32",
     torch.int64: "int64", torch.bool: "bool",
 }
-# Element types that move as bytes only (broadcast, gathers, all_to_all): any fixed-size dtype.
-_BYTE_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# numpy type strings of the engine's dtypes (bfloat16: its uint16 bits), and the same-width
+# integers any other dtype moves as (broadcast, gathers, all_to_all: bytes only).
+_TYPESTR = {t: np.dtype(d).str for t, d in {
+    torch.float16: np.float16, torch.bfloat16: np.uint16, torch.float32: np.float32,
+    torch.float64: np.float64, torch.complex64: np.complex64, torch.complex128: np.complex128,
+    torch.int8: np.int8, torch.uint8: np.uint8, torch.int16: np.int16, torch.int32: np.int32,
+    torch.int64: np.int64, torch.bool: np.bool_}.items()}
+_BYTE_TYPESTR = {n: np.dtype(d).str for n, d in
+                 {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}.items()}
 
 _OPS = {
     dist.ReduceOp.SUM: ReduceOp.SUM, dist.ReduceOp.AVG: ReduceOp.AVG,
@@ -40,19 +48,77 @@ def as_array(t, for_reduce=True):
     """A numpy view sharing the tensor's memory (strides kept) and its engine dtype name.
 
     bfloat16 (no numpy type) is viewed as uint16 bits; for byte-moving collectives any
-    other dtype is viewed as same-width integers.
+    other dtype is viewed as same-width integers. The tensor is left as it was (see
+    tensor_array: no `Tensor.numpy()`).
     """
-    t = t.detach()
-    if t.is_conj():
-        t = t.resolve_conj()
     name = SUPPORTED_DTYPES.get(t.dtype)
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(np.uint16), name
-    if name is None:
-        if for_reduce:
-            raise TypeError(f"dtype {t.dtype} is not supported for reductions")
-        return t.view(_BYTE_VIEW[t.element_size()]).numpy(), None
-    return t.numpy(), name
+    if name is None and for_reduce:
+        raise TypeError(f"dtype {t.dtype} is not supported for reductions")
+    typestr = _TYPESTR.get(t.dtype) or _BYTE_TYPESTR[t.element_size()]
+    return tensor_array(t, typestr), name
+
+
+def tensor_array(t, typestr):
+    """A numpy array over the memory of CPU tensor `t`, elements read as `typestr` (same
+    width as t's elements), shape and strides kept; the array holds a reference to `t`.
+
+    Not `t.numpy()`: that marks t's storage non-resizable for good, so after any collective
+    a user could never resize the tensor again (FSDP frees its all-gather buffers with
+    `storage.resize_(0)`; gloo leaves tensors resizable). numpy reads the address from
+    `__array_interface__` instead, and the tensor is left untouched.
+
+    Lifetime: the array's base is a _Memory that references `t`, so the tensor, and with
+    it its storage, lives as long as the array (a job holding only arrays of temporary
+    views, such as reduce_scatter's input chunks, keeps their memory alive). Resizing or
+    freeing the storage while a collective on it is in flight is the caller's error, as
+    with every backend (gloo keeps the raw pointer too).
+    """
+    itemsize = t.element_size()
+    m = _Memory()
+    m.tensor = t
+    m.__array_interface__ = {
+        "data": (t.data_ptr(), False), "shape": tuple(t.shape), "typestr": typestr,
+        "strides": None if t.is_contiguous() else tuple(s * itemsize for s in t.stride()),
+        "version": 3}
+    return np.asarray(m)
+
+
+class _Memory:
+    """What numpy reads a tensor's memory from (the array interface protocol, v3)."""
+
+    __slots__ = ("__array_interface__", "tensor")
+
+
+def plain_array(t):
+    """The numpy array over a dense contiguous CPU tensor of a dtype numpy knows (the
+    latency path: fast.py), cached by (address, dtype, shape): ~0.3 us instead of ~0.8 us
+    for a fresh tensor_array (or ~0.5 us for `t.numpy()`, which would pin the storage).
+
+    Why a cached array is safe: it owns nothing and references no tensor; it is only an
+    address range read as a dtype and shape. It is handed out only for a live tensor whose
+    memory is exactly that range read exactly that way, for a synchronous call during
+    which the caller holds the tensor, and nothing keeps it past that call (the engine's
+    plans hold fingerprints, not arrays). An entry whose tensor was freed is unreachable
+    until another live tensor occupies the same range with the same dtype and shape, and
+    then the range is that tensor's memory.
+    """
+    key = (t.data_ptr(), t.dtype, t.shape)
+    array = _PLAIN.get(key)
+    if array is None:
+        if len(_PLAIN) >= _PLAIN_MAX:
+            _PLAIN.clear()
+        m = _Memory()
+        m.tensor = None
+        m.__array_interface__ = {"data": (key[0], False), "shape": tuple(t.shape),
+                                 "typestr": _TYPESTR[t.dtype], "version": 3}
+        array = _PLAIN[key] = np.asarray(m)
+    return array
+
+
+# (data_ptr, dtype, shape) -> array; bounded: a program's collective buffers (DDP buckets,
+# benchmark tensors) are few and long-lived, anything else just refills it.
+_PLAIN = {}
+_PLAIN_MAX = 256
 
 
 def reduce_op(op):

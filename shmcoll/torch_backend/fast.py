@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as _c10d
 
 from ..ops import ReduceOp
+from .convert import plain_array
 
 __all__ = ["allreduce_inline", "broadcast_inline", "all_gather_single_inline",
            "reduce_scatter_single_inline"]
@@ -30,7 +31,7 @@ _RS_OPTIONS = dist.ReduceScatterOptions
 _STRIDED = torch.strided
 _ZERO = datetime.timedelta(0)
 
-# dtypes whose tensor.numpy() is the engine's own view (bf16 needs a uint16 view, complex
+# dtypes whose plain numpy view is the engine's own view (bf16 needs a uint16 view, complex
 # a kind check): value = reductions valid for the dtype, in the order they are tried.
 _D = dist.ReduceOp
 _REAL_OPS = ((_D.SUM, ReduceOp.SUM), (_D.MAX, ReduceOp.MAX), (_D.MIN, ReduceOp.MIN),
@@ -42,14 +43,23 @@ _FAST_DTYPES = {torch.float32: _FLOAT_OPS, torch.float64: _FLOAT_OPS,
                 torch.bool: _REAL_OPS}
 
 
-# dtypes tensor.numpy() views directly (byte-moving collectives take any of them).
-_NUMPY_DTYPES = set(_FAST_DTYPES) | {torch.complex64, torch.complex128}
+# dtypes numpy views directly (byte-moving collectives take any of them).
+_COMPLEX = {torch.complex64, torch.complex128}
+_NUMPY_DTYPES = set(_FAST_DTYPES) | _COMPLEX
+
+_array = plain_array  # the tensor's memory as numpy (benchmarks/adapter_ab.py swaps it)
 
 
 def _plain(t):
-    """A dense contiguous CPU tensor numpy can view without a copy or a detach."""
+    """A dense contiguous CPU tensor whose memory holds its values (no lazy negation) and
+    that needs no detach."""
     return type(t) is torch.Tensor and t.layout is _STRIDED and t.is_cpu \
-        and not t.requires_grad and t.is_contiguous()
+        and not t.requires_grad and t.is_contiguous() and not t.is_neg()
+
+
+def _bytes_plain(t):
+    """_plain, of a dtype moved as bytes, not lazily conjugated."""
+    return _plain(t) and t.dtype in _NUMPY_DTYPES and not (t.dtype in _COMPLEX and t.is_conj())
 
 
 def _ready(pg, opts):
@@ -88,20 +98,18 @@ def broadcast_inline(pg, tensors, opts):
         return None
     t = tensors[0]
     root = opts.rootRank
-    if not _plain(t) or t.dtype not in _NUMPY_DTYPES or opts.rootTensor != 0 \
-            or not 0 <= root < pg.group.world_size:
+    if not _bytes_plain(t) or opts.rootTensor != 0 or not 0 <= root < pg.group.world_size:
         return None
-    return _run(pg, pg.group.broadcast, t.numpy(), root, _timeout_s(pg, opts))
+    return _run(pg, pg.group.broadcast, _array(t), root, _timeout_s(pg, opts))
 
 
 def all_gather_single_inline(pg, output, input, opts):
     """pg.all_gather_single(out, in, opts) of dist.all_gather_into_tensor, or None."""
-    if type(opts) is not _GATHER_OPTIONS or not _ready(pg, opts) or not _plain(output) \
-            or not _plain(input) or output.dtype is not input.dtype \
-            or input.dtype not in _NUMPY_DTYPES \
+    if type(opts) is not _GATHER_OPTIONS or not _ready(pg, opts) or not _bytes_plain(output) \
+            or not _bytes_plain(input) or output.dtype is not input.dtype \
             or output.numel() != input.numel() * pg.group.world_size:
         return None
-    return _run(pg, pg.group.all_gather, output.numpy(), input.numpy(), _timeout_s(pg, opts))
+    return _run(pg, pg.group.all_gather, _array(output), _array(input), _timeout_s(pg, opts))
 
 
 def reduce_scatter_single_inline(pg, output, input, opts):
@@ -113,7 +121,7 @@ def reduce_scatter_single_inline(pg, output, input, opts):
     op = _op_for(output.dtype, opts.reduceOp)
     if op is None:
         return None
-    return _run(pg, pg.group.reduce_scatter, output.numpy(), input.numpy(), op, None,
+    return _run(pg, pg.group.reduce_scatter, _array(output), _array(input), op, None,
                 _timeout_s(pg, opts))
 
 
@@ -129,4 +137,4 @@ def allreduce_inline(pg, tensors, opts):
     op = _op_for(t.dtype, opts.reduceOp)
     if op is None:
         return None
-    return _run(pg, pg.group.all_reduce, t.numpy(), op, None, _timeout_s(pg, opts))
+    return _run(pg, pg.group.all_reduce, _array(t), op, None, _timeout_s(pg, opts))

@@ -132,12 +132,15 @@ class _P2PWork(dist.Work):
         self._lock = threading.Lock()
         self._event = threading.Event()
         self._error = None
-        self._future = None
+        self._settled = self._future = None
 
     def _start(self):
         with self._lock:
             if self._future is None:
-                self._future = torch.futures.Future()
+                # a `then` of a private future, so a failure puts it in torch's error
+                # state (Future.set_exception would make the error its value: work.Job)
+                self._settled = torch.futures.Future()
+                self._future = self._settled.then(self._value)
                 threading.Thread(target=self._settle, daemon=True,
                                  name=f"shmcoll-{self._name}-wait").start()
             return self._future
@@ -151,10 +154,12 @@ class _P2PWork(dist.Work):
         except Exception as e:
             self._error = torch_error(RuntimeError(f"{self._name}: {e}"))
         self._event.set()
-        if self._error is None:
-            self._future.set_result(self._outputs)
-        else:
-            self._future.set_exception(self._error)
+        self._settled.set_result(None)
+
+    def _value(self, _settled):
+        if self._error is not None:
+            raise self._error
+        return self._outputs
 
     def wait(self, timeout=None):
         self._start()

@@ -10,39 +10,63 @@ send completes once its data is in the mailbox, not when the peer has received i
 takes its non-coalescing path (one isend/irecv call per P2POp).
 """
 
+import threading
+
 import torch
 import torch.distributed as dist
 
 from ..errors import CollectiveTimeoutError
 from . import checks
 from .convert import as_array
-from .work import torch_error
+from .work import Job, torch_error
 
 __all__ = ["P2PMixin", "P2PWork"]
 
 
 class P2PWork(dist.Work):
-    """torch Work over an engine p2p.Request; the future is completed by the progress thread
-    (so `.then()` callbacks run there: keep them short and non-blocking)."""
+    """torch Work over an engine p2p.Request. Its future exists once get_future() is
+    called, and is completed by the group's Executor (complete_later), not by the engine's
+    progress thread that finishes the request: a callback that waits there for another
+    send or receive would stop the very thread that moves it."""
 
-    def __init__(self, name, request, outputs, on_abort=None, finish=None):
+    def __init__(self, name, request, outputs, on_abort=None, executor=None, copy_in=None):
         super().__init__()
         self._name = name
         self._req = request
         self._outputs = outputs
         self._on_abort = on_abort
-        self._finish = finish  # a staged device receive: copy the host tensor in first
+        self._executor = executor
+        self._copy_in = copy_in  # a staged device receive: copy the host tensor in first
+        self._copy_lock = threading.Lock()
         self._error = None
-        self._future = torch.futures.Future()
+        self._lock = threading.Lock()
+        self._job = None  # created by get_future()
         request.add_done_callback(self._settle)
 
     def _settle(self, request):
-        if request.error is None and self._finish is not None:
-            self._finish()
-        if request.error is not None:
-            self._future.set_exception(self.exception())
-        else:
-            self._future.set_result(self._outputs)
+        self._copied_in()
+        with self._lock:
+            job = self._job
+            if job is not None:
+                self._finish(job)
+        if job is not None:
+            if self._executor is not None:
+                self._executor.complete_later(job)
+            else:
+                job.complete()
+
+    def _finish(self, job):
+        """Holding _lock, the request done: the job's outcome is the request's."""
+        job.error = self.exception()
+        job.finished = True
+
+    def _copied_in(self):
+        """Enqueue a staged receive's copy into its device tensor, once, whichever of the
+        completing thread and a waiter comes first (both return only after it is enqueued)."""
+        with self._copy_lock:
+            if self._copy_in is not None and self._req.error is None:
+                self._copy_in()
+            self._copy_in = None
 
     def wait(self, timeout=None):
         timeout_s = None
@@ -64,10 +88,18 @@ class P2PWork(dist.Work):
                 f"group was aborted")) from None
         except Exception:
             raise self.exception() from None
+        self._copied_in()
         return True
 
     def get_future(self):
-        return self._future
+        with self._lock:
+            if self._job is None:
+                self._job = Job(self._name, None, self._outputs)
+                if self._req.is_completed():  # no callbacks yet: settle it right here
+                    self._copied_in()
+                    self._finish(self._job)
+                    self._job.complete()
+            return self._job.future
 
     def is_completed(self):
         return self._req.is_completed()
@@ -139,4 +171,4 @@ class P2PMixin:
             request = start(array, peer, tag)
         except RuntimeError as e:  # poisoned, aborted or closed group
             raise torch_error(e) from None
-        return P2PWork(name, request, tensors, self.group.abort, finish)
+        return P2PWork(name, request, tensors, self.group.abort, self._executor, finish)

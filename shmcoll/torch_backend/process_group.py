@@ -39,7 +39,8 @@ from .fast import (all_gather_single_inline, allreduce_inline, broadcast_inline,
                    reduce_scatter_single_inline)
 from .monitored_barrier import monitored_barrier_peer, monitored_barrier_root
 from .p2p import P2PMixin
-from .work import CompletedWork, Executor, Job, ShmWork, torch_error
+from .executor import Executor
+from .work import CompletedWork, Job, ShmWork, torch_error
 
 __all__ = ["EngineProcessGroup", "ProcessGroupShm", "ShmOptions"]
 
@@ -186,7 +187,8 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
         self._finalizer = weakref.finalize(self, _release, self._executor, group)
         self._last_job = None  # jobs run in issue order: this one done = nothing pending
         done = Job("sync", lambda: None, [])
-        done.run()
+        done.execute()
+        done.complete()
         self._completed_work = CompletedWork(self._executor, done)  # returned by sync ops
 
     # -- plumbing ------------------------------------------------------------------------
@@ -411,6 +413,7 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
                                   f"{tensors[0].device}, index {i} on {t.device})")
         if tensors[0].layout != torch.strided:
             checks.fail(name, f"unsupported layout {tensors[0].layout}")
+        checks.dense(name, tensors)
         if self._on_device(name, tensors):
             return self._device_path(tensors).allreduce_coalesced(tensors, opts)
         arrays, op, premul = self._prepare_reduce(name, tensors, opts.reduceOp)
@@ -1029,7 +1032,7 @@ class EngineProcessGroup(P2PMixin, dist.ProcessGroup):
 
 def _release(executor, group, reason="shut down", abort=True):
     """Stop `executor` (aborting queued/stuck work if `abort`), then close the engine group."""
-    if threading.current_thread() is getattr(executor, "_thread", None):
+    if executor.owns_current_thread():
         # a finalizer run by the executor's own thread (GC there) cannot join that thread
         threading.Thread(target=_release, args=(executor, group, reason, abort),
                          daemon=True).start()

@@ -1,14 +1,11 @@
-"""Work objects and the per-group executor: async ops run in issue order, on a worker thread
-or on the thread that waits for them (so a synchronous call pays no thread hand-off)."""
+"""Work objects over the jobs of a group's Executor (executor.py), and DistBackendError typing."""
 
-import collections
 import threading
-import time
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Job", "Executor", "ShmWork", "CompletedWork", "torch_error"]
+__all__ = ["Job", "ShmWork", "CompletedWork", "torch_error"]
 
 _ERROR_TYPES = {}
 
@@ -25,7 +22,11 @@ def torch_error(e):
         return new
     mixed = _ERROR_TYPES.get(cls)
     if mixed is None:
-        mixed = type(cls.__name__, (cls, dist.DistBackendError), {"__module__": cls.__module__})
+        # __reduce__: pickle finds `cls` by name, not this class made here (an error
+        # crossing processes, or torch looking for tensors in a value by pickling it)
+        mixed = type(cls.__name__, (cls, dist.DistBackendError), {
+            "__module__": cls.__module__,
+            "__reduce__": lambda self: (_rebuild, (cls, self.args, dict(self.__dict__)))})
         _ERROR_TYPES[cls] = mixed
     # OSError-based errors (CollectiveTimeoutError is a TimeoutError, SegmentError an
     # OSError) need OSError's __new__: mixed.__new__ resolves to RuntimeError's, which
@@ -39,11 +40,24 @@ def torch_error(e):
     return new
 
 
-class Job:
-    """One queued operation: `fn()` runs it; `outputs` become the future's value."""
+def _rebuild(cls, args, state):
+    """Unpickle a re-typed error: rebuild it as `cls`, then re-type it again."""
+    e = (OSError.__new__ if issubclass(cls, OSError) else cls.__new__)(cls)
+    e.args = args
+    e.__dict__.update(state)
+    return torch_error(e)
 
-    __slots__ = ("name", "fn", "outputs", "event", "error", "future", "source_rank",
-                 "finished")
+
+class Job:
+    """One queued operation: `fn()` runs it; `outputs` become the future's value.
+
+    Two halves, run by the Executor at different places: execute() runs the operation
+    (holding the executor's running lock: one at a time, in issue order), complete() then
+    settles the future and the event (never holding that lock, and in issue order: the
+    future's callbacks run there, and they may issue and wait for further operations)."""
+
+    __slots__ = ("name", "fn", "outputs", "event", "error", "future", "_settled",
+                 "source_rank", "finished")
 
     def __init__(self, name, fn, outputs):
         self.name = name
@@ -51,169 +65,50 @@ class Job:
         self.outputs = outputs
         self.event = threading.Event()
         self.error = None
-        self.future = torch.futures.Future()
+        # The future users and torch's C++ (DDP's Reducer) see is a `then` of a private
+        # one: a failure raised in that callback puts the future in torch's error state.
+        # Future.set_exception(e) would not: it sets `e` as the *value*, with an unwrap
+        # function only Python's wait() applies; DDP's C++ took the exception object for
+        # its tensors (a segfault; before, only torch's failure to pickle our errors
+        # turned it into an error).
+        self._settled = torch.futures.Future()
+        self.future = self._settled.then(self._result)
         self.source_rank = -1
         self.finished = False
 
     @property
     def done(self):
         """The operation has finished (outputs written, or failed). Its future and `event`
-        follow right after (see run)."""
+        follow when complete() runs."""
         return self.finished
 
-    def run(self):
+    def execute(self):
         try:
             result = self.fn()
             if isinstance(result, int):
                 self.source_rank = result
         except BaseException as e:  # surfaced through wait()/the future, never lost
-            self.fail(torch_error(e))
-            return
-        # NOTE: order matters: `finished` first (shutdown then knows nothing is pending),
-        # the future next, the event last: wait() returns on the event, so
-        # `work.wait(); work.get_future().value()` never sees an incomplete future (gloo
-        # also completes the future before wait() returns).
-        self.finished = True
-        self.future.set_result(self.outputs)
+            self.error = torch_error(e)
+        self.fn = None  # drop the closure: the arrays and temporaries it held
+        self.finished = True  # (shutdown then knows nothing is pending)
+
+    def complete(self):
+        """Settle the future (running its callbacks here), then the event: wait() returns
+        on the event, so `work.wait(); work.get_future().value()` never sees an incomplete
+        future, and, as with gloo, wait() returns after the callbacks ran."""
+        self._settled.set_result(None)
         self.event.set()
+
+    def _result(self, _):
+        if self.error is not None:
+            raise self.error
+        return self.outputs
 
     def fail(self, error):
+        """Mark a job that never ran as failed (complete() then settles it)."""
+        self.fn = None
         self.error = error
         self.finished = True
-        self.future.set_exception(error)
-        self.event.set()
-
-
-class Executor:
-    """Runs a group's jobs one at a time in submission order.
-
-    A worker thread guarantees progress for async ops nobody waits on; a thread that waits
-    for a job that has not started runs the queue itself up to that job (no hand-off
-    latency for synchronous calls). `_running` makes sure only one thread runs jobs.
-    """
-
-    _RETRY_S = 1e-3  # a waiter re-checks its job this often while another thread runs jobs
-    _BUSY_RETRY_S = _RETRY_S  # the worker re-checks the queue this often meanwhile
-
-    def __init__(self, name, on_abort=None):
-        self._cv = threading.Condition()
-        self._queue = collections.deque()
-        self._running = threading.Lock()
-        self._stopped = False
-        self.inline_busy = False  # a synchronous op is running on a caller's thread
-        self._stop_reason = "shut down"
-        self._on_abort = on_abort
-        self._thread = threading.Thread(target=self._loop, name=f"shmcoll-{name}", daemon=True)
-        self._thread.start()
-
-    @property
-    def pending(self):
-        return len(self._queue) + (1 if self._running.locked() else 0)
-
-    def submit(self, job):
-        """Queue `job` and wake the worker (it runs it unless a waiter does first)."""
-        with self._cv:
-            if self._stopped:
-                raise torch_error(RuntimeError(
-                    f"{job.name}: the process group was {self._stop_reason}; it accepts no new "
-                    f"operations (create a new process group)"))
-            self._queue.append(job)
-            self._cv.notify()
-        return job
-
-    def run_inline(self, fn, *args):
-        """Run `fn(*args)` on this thread after every queued job (issue order holds); its
-        error is raised here, typed as a torch DistBackendError."""
-        with self._running:
-            if self._stopped:
-                raise torch_error(RuntimeError(
-                    f"the process group was {self._stop_reason}; it accepts no new operations "
-                    f"(create a new process group)"))
-            if self._queue:  # this thread's earlier async ops go first
-                self._run_until(None)
-            self.inline_busy = True  # shutdown from another thread must abort, not wait
-            try:
-                return fn(*args)
-            except BaseException as e:
-                raise torch_error(e) from None
-            finally:
-                self.inline_busy = False
-
-    def _pop(self):
-        with self._cv:
-            return self._queue.popleft() if self._queue else None
-
-    def _run_until(self, until):
-        """Run queued jobs in order (caller holds _running) until `until` is done."""
-        while until is None or not until.done:
-            job = self._pop()
-            if job is None:
-                return
-            job.run()
-
-    def _loop(self):
-        while True:
-            with self._cv:
-                while not self._queue and not self._stopped:
-                    self._idle_wait()
-                self._woken()
-                if self._stopped:
-                    return
-            if self._running.acquire(blocking=False):
-                try:
-                    self._run_until(None)
-                finally:
-                    self._running.release()
-            else:
-                with self._cv:
-                    self._cv.wait(self._BUSY_RETRY_S)
-
-    def _idle_wait(self):
-        """Wait (holding _cv) for a submission or stop; subclasses may poll instead."""
-        self._cv.wait()
-
-    def _woken(self):
-        """Called (holding _cv) once the worker has work or must stop."""
-
-    def wait(self, job, timeout_s=None):
-        """Block until `job` is done (running it here if nobody else is); True if done."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while not job.done:
-            if self._running.acquire(blocking=False):
-                try:
-                    if deadline is None:
-                        self._run_until(job)
-                        continue
-                finally:
-                    self._running.release()
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                return False
-            job.event.wait(self._RETRY_S if remaining is None else min(remaining, self._RETRY_S))
-        return True
-
-    def stop(self, abort_pending=True, join_timeout_s=10.0, reason="shut down"):
-        """Stop the worker; pending jobs are aborted (woken) and failed. True if joined.
-
-        `reason` ("shut down", "aborted") words the errors of later submissions."""
-        with self._cv:
-            if not self._stopped:
-                self._stop_reason = reason
-            self._stopped = True
-            busy = bool(self._queue) or self._running.locked()
-            self._cv.notify_all()
-        if busy and abort_pending and self._on_abort is not None:
-            self._on_abort()
-        self._thread.join(join_timeout_s)
-        with self._running:
-            while True:
-                job = self._pop()
-                if job is None:
-                    break
-                job.fail(torch_error(RuntimeError(
-                    f"{job.name}: the process group was {self._stop_reason} before this "
-                    f"operation ran (pending work aborted)")))
-        return not self._thread.is_alive()
 
 
 class ShmWork(dist.Work):
@@ -239,7 +134,7 @@ class ShmWork(dist.Work):
             if self._executor._on_abort is not None:
                 self._executor._on_abort()
             raise err
-        self._job.event.wait()  # set right after the future completes (Job.run)
+        self._job.event.wait()  # set right after the future completes (Job.complete)
         if self._job.error is not None:
             raise self._job.error
         return True
