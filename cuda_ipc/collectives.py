@@ -38,8 +38,9 @@ def _typed(slot, dtype, count):
     return slot[:count * dtype.itemsize].view(dtype)
 
 
-def all_reduce_one_shot(host, d, stream, flat, spec):
-    """Every rank reduces every rank's copy of each chunk, in rank order.
+def all_reduce_one_shot(host, d, stream, flat, spec, root=None):
+    """Every rank reduces every rank's copy of each chunk, in rank order (with `root`:
+    only the root reduces, into its own tensor; the others only publish: reduce).
 
     Bytes: copy in 2S; read N*S, write S. Steps per chunk: claim, copy in, publish,
     collect, reduce into the caller's tensor, release. Results are bitwise identical on
@@ -57,33 +58,17 @@ def all_reduce_one_shot(host, d, stream, flat, spec):
         d.claim(stream, g)
         dev.run(stream, _copy, _typed(d.slot(g, rank), flat.dtype, m), piece)
         d.publish(stream, g)
-        d.collect(stream, g)
-        srcs = [_typed(d.slot(g, r), flat.dtype, m) for r in range(world)]
-        dev.run(stream, reduce_into, piece, srcs, spec)
+        if root is None or rank == root:
+            d.collect(stream, g)
+            srcs = [_typed(d.slot(g, r), flat.dtype, m) for r in range(world)]
+            dev.run(stream, reduce_into, piece, srcs, spec)
         d.release(stream, g)
     return first, last
 
 
 def reduce_direct(host, d, stream, flat, root, spec):
     """all_reduce_one_shot whose reduction only the root runs; the others only publish."""
-    host.exchange()
-    dev, rank, world = d.dev, d.rank, d.world_size
-    per = d.slot_nbytes // flat.element_size()
-    first = last = None
-    for start, m in _chunks(flat.numel(), per):
-        g = d.next_chunk()
-        first = g if first is None else first
-        last = g
-        piece = flat[start:start + m]
-        d.claim(stream, g)
-        dev.run(stream, _copy, _typed(d.slot(g, rank), flat.dtype, m), piece)
-        d.publish(stream, g)
-        if rank == root:
-            d.collect(stream, g)
-            srcs = [_typed(d.slot(g, r), flat.dtype, m) for r in range(world)]
-            dev.run(stream, reduce_into, piece, srcs, spec)
-        d.release(stream, g)
-    return first, last
+    return all_reduce_one_shot(host, d, stream, flat, spec, root)
 
 
 def broadcast_direct(host, d, stream, buf, root):
