@@ -9,9 +9,10 @@ world. gloo picks its network interface as for any gloo group (GLOO_SOCKET_IFNAM
 the address the hostname resolves to).
 
 Backend per device (`backend_for`): gloo for CPU buffers; for CUDA buffers NCCL where
-torch has it, else gloo. UNTESTED: no GPU here, and "shm" does not take CUDA tensors yet
-(cuda_ipc/ will); the NCCL branch only builds ProcessGroupNCCL channels the same way, and
-the channels accept torch tensors of any device as well as numpy arrays.
+torch has it, else gloo. UNTESTED: no GPU here, and a group that spans nodes refuses CUDA
+tensors for now (cuda_ipc/ serves one node; hier_pg.py); the NCCL branch only builds
+ProcessGroupNCCL channels the same way, and the channels accept torch tensors of any
+device as well as numpy arrays.
 
 gloo facts this module works around (torch 2.13, measured here):
 - abort()/shutdown() do not wake an operation blocked on a live peer, and destroying a
