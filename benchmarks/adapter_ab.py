@@ -10,7 +10,7 @@ float32 tensors in blocks of calls. Each round runs, per size and path, one bloc
 variant "numpy" and one with "interface", the first variant alternating from round to round,
 so load changes on a shared machine hit both alike. Path "sync" is `dist.all_reduce(t)` (the
 latency path, fast.py); "async" is `dist.all_reduce(t, async_op=True).wait()` (the general
-path, process_group.py). A variant is switched by swapping the one function each path takes
+path, reductions.py). A variant is switched by swapping the one function each path takes
 the memory with, in both ranks at the same block boundary. Reported per row: the median and
 the best of the rounds' per-call times (rank 0's clock; the ranks run in lock step), and
 interface / numpy of the medians. Each block ends with one more call whose result is
@@ -46,13 +46,13 @@ def _numpy_as_array(t, for_reduce=True):
 
 
 def _use(variant):
-    from shmcoll.torch_backend import convert, fast, process_group
+    from shmcoll.torch_backend import convert, fast, movement, reductions
     if variant == "numpy":
         fast._array = lambda t: t.numpy()
-        process_group.as_array = _numpy_as_array
+        reductions.as_array = movement.as_array = _numpy_as_array
     else:
         fast._array = convert.plain_array
-        process_group.as_array = convert.as_array
+        reductions.as_array = movement.as_array = convert.as_array
 
 
 def _call(t, path):
