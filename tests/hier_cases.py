@@ -300,9 +300,38 @@ def check_subgroups(rank, world_size, nodes):
             dist.destroy_process_group(g)
 
 
+def check_monitored_barrier(rank, world_size, nodes):
+    """monitored_barrier across nodes (through the store; rank 0 asks whether ranks of
+    other nodes are alive): passes when every rank comes; with a rank of another node 1 s
+    late and a 0.3 s timeout, rank 0 names it and every rank raises; the group goes on.
+    (dist.monitored_barrier admits only backend "gloo" by name: the ProcessGroup's own
+    method, which it calls, is called directly, as tests/test_gloo_seeds.py does.)"""
+    import datetime
+    import time
+    pg = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    pg.monitored_barrier(datetime.timedelta(seconds=60))
+    pg.monitored_barrier(datetime.timedelta(seconds=60), wait_all_ranks=True)
+    late = world_size - 1
+    assert nodes[late] != nodes[0]
+    if rank == late:
+        time.sleep(1.0)
+    try:
+        pg.monitored_barrier(datetime.timedelta(seconds=0.3))
+        raised = ""
+    except RuntimeError as e:
+        raised = str(e)
+    if rank == 0:
+        assert f"Rank {late} failed to pass monitoredBarrier" in raised, raised
+    else:
+        assert "monitoredBarrier" in raised, raised
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    assert torch.all(t == world_size)
+
+
 ALL = (check_all_reduce, check_large_all_reduce, check_reduce_scatter, check_reduce,
        check_broadcast, check_all_gather, check_gather_scatter, check_all_to_all, check_p2p,
-       check_subgroups)
+       check_subgroups, check_monitored_barrier)
 
 
 def run_all(rank, world_size, nodes):

@@ -85,6 +85,10 @@ class Board:
         """A rank known to be gone (its node's engine saw its process exit)."""
         self._call(self._store.set, self._key("lost", rank), text)
 
+    def is_lost(self, rank):
+        """Whether `rank` was posted as lost."""
+        return bool(self._call(self._store.check, [self._key("lost", rank)]))
+
     def lost(self):
         """[(rank, message)] of the ranks posted as lost."""
         found = []

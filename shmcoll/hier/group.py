@@ -151,6 +151,14 @@ class HierGroup(Collectives):
                 self._scratch[slot] = buf
         return buf[:nbytes].view(dtype)
 
+    def is_peer_alive(self, peer):
+        """Whether rank `peer` still runs, as far as this rank can tell (monitored_barrier
+        asks): a rank of this node by its process, one of another node unless the board
+        has it as lost."""
+        if self.layout.node_of[peer] == self.node:
+            return self.intra.is_peer_alive(self.layout.local_rank(peer))
+        return not self.board.is_lost(peer)
+
     def who(self, rank=None):
         return self.layout.describe(self.rank if rank is None else rank)
 
