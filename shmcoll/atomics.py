@@ -1,4 +1,5 @@
-"""Acquire/release atomics, a CPU pause and the spin/yield wait loop, as numba intrinsics.
+"""Acquire/release atomics, a CPU pause, futexes and the spin/yield wait loop, as numba
+intrinsics.
 
 Why intrinsics: a numba array load in a spin loop is an ordinary load that LLVM may hoist out
 of the loop, and a Python-level store gives no ordering guarantee at all (vLLM #27858/#56251).
@@ -10,6 +11,7 @@ function serves every segment, every rank count and the in-process arena alike.
 """
 
 import platform
+import sys
 import time
 
 import numba
@@ -32,13 +34,25 @@ __all__ = [
     "sched_yield",
     "monotonic_ns",
     "copy_bytes",
+    "fence_seq_cst",
+    "add_seq_cst",
+    "futex_wait",
+    "futex_wake",
+    "HAVE_FUTEX",
     "read_acquire",
     "write_release",
     "warm_up",
 ]
 
 _IS_X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
-
+# futex(2) through libc's syscall(): its number on the 64-bit Linux ABIs we know; the wait
+# is on the low 32 bits of an int64 word, which sit at the word's address on little-endian
+# machines. Elsewhere HAVE_FUTEX is False and callers sleep instead.
+_SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98}.get(
+    platform.machine().lower(), 0) if sys.platform.startswith("linux") and \
+    sys.byteorder == "little" else 0
+HAVE_FUTEX = _SYS_FUTEX != 0
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # shared (not FUTEX_PRIVATE): the words are in shared memory
 
 
 def _i64_ptr(builder, addr):
@@ -94,6 +108,82 @@ def cas_acq_rel(typingctx, addr, expected, value):
         pair = builder.cmpxchg(_i64_ptr(builder, args[0]), args[1], args[2], "acq_rel",
                                "acquire")
         return builder.extract_value(pair, 1)
+
+    return sig, codegen
+
+
+@intrinsic
+def add_seq_cst(typingctx, addr, value):
+    """Atomic fetch-add (seq_cst) of `value` at `addr`; returns the new value."""
+    sig = types.int64(types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        old = builder.atomic_rmw("add", _i64_ptr(builder, args[0]), args[1], "seq_cst")
+        return builder.add(old, args[1])
+
+    return sig, codegen
+
+
+@intrinsic
+def fence_seq_cst(typingctx):
+    """A full memory fence (x86 mfence): orders an earlier store before a later load, which
+    acquire/release alone never does (the sleeper handshake in protocol.py needs it)."""
+    sig = types.void()
+
+    def codegen(context, builder, signature, args):
+        builder.fence("seq_cst")
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _futex_call(builder, addr, op, val, timeout_ns):
+    """syscall(SYS_futex, addr, op, val, timeout or NULL, NULL, 0) -> i64 (libc's
+    syscall(), declared as an external symbol so the caller stays cacheable)."""
+    i64 = ir.IntType(64)
+    fnty = ir.FunctionType(i64, [i64], var_arg=True)
+    fn = cgutils.get_or_insert_function(builder.module, fnty, "syscall")
+    zero = ir.Constant(i64, 0)
+    ts_arg = zero
+    if timeout_ns is not None:
+        timespec = ir.LiteralStructType([i64, i64])  # {tv_sec, tv_nsec}, relative
+        ts = cgutils.alloca_once(builder, timespec)
+        billion = ir.Constant(i64, 1_000_000_000)
+        builder.store(builder.sdiv(timeout_ns, billion), cgutils.gep_inbounds(builder, ts, 0, 0))
+        builder.store(builder.srem(timeout_ns, billion), cgutils.gep_inbounds(builder, ts, 0, 1))
+        ts_arg = builder.ptrtoint(ts, i64)
+    return builder.call(fn, [ir.Constant(i64, _SYS_FUTEX), addr, ir.Constant(i64, op), val,
+                             ts_arg, zero, zero])
+
+
+@intrinsic
+def futex_wait(typingctx, addr, expected, timeout_ns):
+    """Sleep until woken at `addr` (futex_wake), at most `timeout_ns`, unless the 32-bit
+    word at `addr` no longer equals the low 32 bits of `expected` (checked atomically by
+    the kernel). Returns at once, 0, where HAVE_FUTEX is False. Spurious returns happen
+    (signals): callers re-check what they wait for."""
+    sig = types.int64(types.int64, types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        if not _SYS_FUTEX:
+            return ir.Constant(ir.IntType(64), 0)
+        val = builder.and_(args[1], ir.Constant(ir.IntType(64), 0xFFFFFFFF))
+        return _futex_call(builder, args[0], _FUTEX_WAIT, val, args[2])
+
+    return sig, codegen
+
+
+@intrinsic
+def futex_wake(typingctx, addr):
+    """Wake every thread sleeping in futex_wait on `addr`; returns how many (0 where
+    HAVE_FUTEX is False)."""
+    sig = types.int64(types.int64)
+
+    def codegen(context, builder, signature, args):
+        if not _SYS_FUTEX:
+            return ir.Constant(ir.IntType(64), 0)
+        return _futex_call(builder, args[0], _FUTEX_WAKE, ir.Constant(ir.IntType(64), 0x7FFFFFFF),
+                           None)
 
     return sig, codegen
 

@@ -219,3 +219,65 @@ def test_streamed_collectives_resume_through_the_python_wait(monkeypatch, world_
         for out in results:
             np.testing.assert_array_equal(out[rep][0], want)
             np.testing.assert_array_equal(out[rep][1], gathered)
+
+
+# -- rule 5's sleeper handshake (protocol.post_wake / sleep_on, atomics.futex_*) --------------
+
+def _control_block():
+    """One rank's control block (zeros): POSTED at its address, SLEEPERS further on."""
+    from shmcoll.protocol import CTRL_LINES, LINE_WORDS, W_SLEEPERS
+    words = np.zeros(CTRL_LINES * LINE_WORDS, np.int64)
+    return words, words.ctypes.data, W_SLEEPERS * LINE_WORDS
+
+
+def _sleep_while_a_peer_posts(post, delay_s=0.1, timeout_s=5.0):
+    """Seconds a sleep_on(target 1, `timeout_s`) took while another thread posts 1 after
+    `delay_s` with `post`; and the SLEEPERS word seen by the poster."""
+    from shmcoll.protocol import post_wake, sleep_on
+    words, posted, sleepers = _control_block()
+    sleep_on(posted, 0, 0)  # compiled before timing
+    post_wake(posted + 8 * 16, 0)  # (another line of the same block)
+    seen = []
+
+    def peer():
+        time.sleep(delay_s)
+        seen.append(int(words[sleepers]))
+        post(posted, 1)
+
+    t = threading.Thread(target=peer)
+    t.start()
+    t0 = time.monotonic()
+    sleep_on(posted, 1, int(timeout_s * 1e9))
+    took = time.monotonic() - t0
+    t.join()
+    assert words[sleepers] == 0  # the sleeper took itself off again
+    return took, seen[0]
+
+
+@pytest.mark.skipif(not __import__("shmcoll.atomics").atomics.HAVE_FUTEX,
+                    reason="no futex on this platform (sleeps are plain sleeps there)")
+def test_a_post_wakes_a_sleeper_at_once():
+    from shmcoll.protocol import post_wake
+    took, sleepers = _sleep_while_a_peer_posts(post_wake)
+    assert sleepers == 1  # the sleeper announced itself before sleeping
+    assert took < 2.5, took  # woken by the post, not by its 5 s bound
+
+
+@pytest.mark.skipif(not __import__("shmcoll.atomics").atomics.HAVE_FUTEX,
+                    reason="no futex on this platform (sleeps are plain sleeps there)")
+def test_a_post_without_the_wake_leaves_the_sleeper_to_its_bound():
+    """The control for the test above: the plain release store of before (no wake) is
+    not seen until the sleep's bound, so it is the wake that ends the sleep."""
+    took, _ = _sleep_while_a_peer_posts(lambda addr, v: write_release(addr, v), timeout_s=1.0)
+    assert took >= 0.9, took
+
+
+def test_sleep_on_a_word_already_there_returns_at_once():
+    from shmcoll.protocol import sleep_on
+    words, posted, sleepers = _control_block()
+    words[0] = 7
+    sleep_on(posted, 7, 0)
+    t0 = time.monotonic()
+    sleep_on(posted, 5, 5_000_000_000)  # 5 s bound, but POSTED is past the target
+    assert time.monotonic() - t0 < 1.0
+    assert words[sleepers] == 0
