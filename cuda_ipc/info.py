@@ -50,7 +50,8 @@ def report():
     if not torch.cuda.is_available():
         return [("INFO", "no CUDA device visible (torch.cuda.is_available() is False): "
                  "backend 'shm' moves CPU tensors only", "")]
-    from .cuda import CudaDevice, _Api
+    from .cuda import CudaDevice
+    from .cuda_api import Api
     n = torch.cuda.device_count()
     devs = [CudaDevice(i) for i in range(n)]
     out = [("INFO", f"{n} CUDA device(s), torch {torch.__version__} (CUDA "
@@ -64,7 +65,7 @@ def report():
             f"{a.index}->{b.index} {'yes' if a.can_access_peer(b.uuid) else 'no'}"
             for a in devs for b in devs if a is not b), ""))
     try:
-        _Api.get()
+        Api.get()
         out.append(("OK", "stream memory operations (cuStreamWrite/WaitValue32) available", ""))
     except Exception as e:  # noqa: BLE001 - reported
         out.append(("FAIL", f"stream memory operations unavailable ({e})",
