@@ -21,7 +21,7 @@ import time
 import numpy as np
 import torch
 
-from .cuda_api import IPC_HANDLE_NBYTES, STREAM_WAIT_VALUE_GEQ, \
+from .cuda_api import STREAM_WAIT_VALUE_GEQ, \
     STREAM_WRITE_VALUE_DEFAULT, Api, IpcMemHandle, probe_stream_memops
 from .device import Allocation, DeviceError, Mapping
 
