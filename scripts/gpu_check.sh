@@ -111,8 +111,10 @@ if [ "$stage" = all ] || [ "$stage" = suite ]; then
     --durations=0 --tb=short -p no:cacheprovider -k "not thousand"
 fi
 if [ "$stage" = all ] || [ "$stage" = leak ]; then
+  # cycles for T_LEAK - 40 s; the ranks' stacks are printed if the job outlives T_LEAK - 15 s
   run leak "$T_LEAK" "$OUT/gpu_leak.log" w env SHMCOLL_GPU_LEAK_BUDGET_S=$(( T_LEAK - 40 )) \
-    SHMCOLL_GPU_TEST_TIMEOUT_S=$(( T_LEAK - 5 )) "$PY" -m pytest tests/test_cuda_ipc_gpu.py \
+    SHMCOLL_GPU_JOB_TIMEOUT_S=$(( T_LEAK - 15 )) SHMCOLL_GPU_TEST_TIMEOUT_S=$(( T_LEAK - 5 )) \
+    "$PY" -m pytest tests/test_cuda_ipc_gpu.py \
     -m cuda -v -s --tb=short -p no:cacheprovider -k thousand
 fi
 if [ "$stage" = all ] || [ "$stage" = bench ]; then
