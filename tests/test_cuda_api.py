@@ -170,16 +170,18 @@ def test_ipc_handle_is_passed_whole_by_value(api, lib):
     api.check("cudaFree", api.rt.cudaFree(ptr))
 
 
-def test_device_refuses_to_open_its_own_export(api):
+def test_device_refuses_to_open_its_own_export(api, monkeypatch):
     dev = _device(api)
     ptr = ctypes.c_void_p()
     api.check("cudaMalloc", api.rt.cudaMalloc(ctypes.byref(ptr), 64))
+    monkeypatch.setattr(cuda_mod, "_live", {"allocations": 1, "mappings": 0})
     alloc = Allocation(ptr.value, 64, None)
     handle = dev.export(alloc)
     with pytest.raises(DeviceError, match="exporting process"):
         dev.open(handle, 64)
     dev.free(alloc)
     assert handle not in cuda_mod._exported
+    assert cuda_mod.outstanding()["allocations"] == 0 and cuda_mod.outstanding()["mappings"] == 0
 
 
 def test_overlapping_registration_names_the_bug(api):
