@@ -6,7 +6,11 @@
   and on gloo: the parameters after the last step (max |shm - gloo|, and whether the ranks
   agree bitwise) and the median step time.
 
-    python -m benchmarks.gpu_extras --out docs/results/gpu_extras.jsonl
+    python -m benchmarks.gpu_extras --out docs/results/gpu_extras.jsonl [--timeout 60]
+
+Each measurement's ranks run under a deadline (--timeout seconds each; then they are
+killed and an error record says so), and each record is written to --out as soon as it
+exists, so a hang in one leaves the others' results.
 """
 
 import argparse
@@ -82,35 +86,69 @@ def _ddp(rank, backend, path, out):
     dist.destroy_process_group()
 
 
+def _spawn(fn, args, timeout_s):
+    """Run fn(rank, *args) on WS spawned ranks; None, or why they failed / were killed."""
+    ctx = mp.start_processes(fn, args=args, nprocs=WS, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not ctx.join(timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+            if time.monotonic() > deadline:
+                return f"ranks still running after {timeout_s:.0f} s: killed"
+        return None
+    except Exception as e:  # noqa: BLE001 - a rank raised: reported as a record
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e}"
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_extras")
     p.add_argument("--out", required=True)
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="seconds each measurement's ranks may run (default 120)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("gpu_extras: no CUDA device", file=sys.stderr)
         return 3
     path = tempfile.mkdtemp()
-    rows = []
-    enq = os.path.join(path, "enqueue.json")
-    mp.spawn(_enqueue, args=(path, enq), nprocs=WS)
-    with open(enq) as f:
-        rows.append(json.load(f))
-    res = {}
-    for backend in ("shm", "gloo"):
-        mp.spawn(_ddp, args=(backend, path, None), nprocs=WS)
-        res[backend] = [torch.load(os.path.join(path, f"{backend}_{r}.pt")) for r in range(WS)]
-    shm, gloo = res["shm"], res["gloo"]
-    rows.append({"record": "ddp", "world_size": WS, "steps": STEPS,
-                 "ranks_bitwise_equal": all(torch.equal(shm[0]["params"], r["params"])
-                                            for r in shm),
-                 "max_abs_diff_vs_gloo": float((shm[0]["params"] - gloo[0]["params"]).abs().max()),
-                 "step_ms_shm": max(r["step_ms"] for r in shm),
-                 "step_ms_gloo": max(r["step_ms"] for r in gloo)})
-    with open(args.out, "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-            print(json.dumps(r))
-    bad = not rows[-1]["ranks_bitwise_equal"] or rows[-1]["max_abs_diff_vs_gloo"] > 1e-3
+    bad = False
+    with open(args.out, "w") as out:
+        def emit(rec):
+            out.write(json.dumps(rec) + "\n")
+            out.flush()
+            print(json.dumps(rec), flush=True)
+
+        enq = os.path.join(path, "enqueue.json")
+        err = _spawn(_enqueue, (path, enq), args.timeout)
+        if err is None:
+            with open(enq) as f:
+                emit(json.load(f))
+        else:
+            bad = True
+            emit({"record": "error", "what": "enqueue", "message": err})
+        res = {}
+        for backend in ("shm", "gloo"):
+            err = _spawn(_ddp, (backend, path, None), args.timeout)
+            if err is None:
+                res[backend] = [torch.load(os.path.join(path, f"{backend}_{r}.pt"))
+                                for r in range(WS)]
+            else:
+                bad = True
+                emit({"record": "error", "what": f"ddp {backend}", "message": err})
+        if len(res) == 2:
+            shm, gloo = res["shm"], res["gloo"]
+            rec = {"record": "ddp", "world_size": WS, "steps": STEPS,
+                   "ranks_bitwise_equal": all(torch.equal(shm[0]["params"], r["params"])
+                                              for r in shm),
+                   "max_abs_diff_vs_gloo": float((shm[0]["params"] - gloo[0]["params"])
+                                                 .abs().max()),
+                   "step_ms_shm": max(r["step_ms"] for r in shm),
+                   "step_ms_gloo": max(r["step_ms"] for r in gloo)}
+            emit(rec)
+            bad = bad or not rec["ranks_bitwise_equal"] or rec["max_abs_diff_vs_gloo"] > 1e-3
     return 1 if bad else 0
 
 

@@ -14,7 +14,7 @@ Nothing here imports CUDA until a CUDA tensor arrives: a CPU-only install never 
 The simulated device (sim.py) runs the same code on CPU tensors for the test suite.
 
 Layers (imports go downwards): torch_path -> work, group -> collectives, reduce -> arena ->
-tiers, watchdog, rendezvous -> device; cuda (real device), sim (simulated device).
+tiers, watchdog, rendezvous -> device; cuda -> cuda_api (real device), sim (simulated device).
 """
 
 import threading

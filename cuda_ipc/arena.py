@@ -68,6 +68,7 @@ MAX_WORLD_SIZE = (CTRL_LINES * LINE_NBYTES // 8 - _W_INBOX) // 2  # READY and DO
 PROBE_NBYTES = 32  # token (16 B) + rank (8 B) + pad, written at the start of slot 0
 _STUB_SLOT_NBYTES = 64  # host regions of the IPC tiers carry flags only
 _SHARED = "shared"  # Mapping.owner of a peer thread's allocation (nothing to close)
+_kept = []  # host regions a busy stream may still read (never unmapped)
 
 
 class DeviceArena:
@@ -95,6 +96,7 @@ class DeviceArena:
         self._registered = []
         self._closed = False
         self._released = False
+        self._waiters = {}  # other streams that wait on my MINE word (Work.wait)
         self.issued = 0  # chunks issued so far (unbounded); chunk id g = issued & WORD_MASK
         self.watchdog = None
         try:
@@ -256,7 +258,12 @@ class DeviceArena:
         self.dev.write_value(stream, self._mine_dev, g)
 
     def stream_wait_done(self, stream, g):
-        """Make `stream` (another stream of this rank) wait until mine finished chunk g."""
+        """Make `stream` (another stream of this rank) wait until mine finished chunk g.
+        Nothing to do once the arena is closed (it drained; the word is unmapped). The
+        stream is remembered: close() lets it execute the wait before unmapping the word."""
+        if self._released or self._closed:
+            return
+        self._waiters[getattr(stream, "cuda_stream", id(stream))] = stream
         self.dev.wait_value(stream, self._mine_dev, g, None)
 
     def part_nbytes(self):
@@ -372,6 +379,16 @@ class DeviceArena:
             except Exception as e:
                 first = first or e
             self._alloc = None
+        # NOTE: order matters: a stream that Work.wait() made wait on my MINE word reads it
+        # when it gets there; unmapping the word first would be a device page fault.
+        if self._waiters and not self.dev.streams_idle(list(self._waiters.values()),
+                                                       max(deadline, time.monotonic() + 1.0)):
+            log.error("cuda_ipc group %r rank %d: a stream that waits on this group's flags "
+                      "is still busy; its flag words stay mapped until the process exits",
+                      self.group.name, self.rank)
+            _kept.append((self._regions, self._registered))
+            self._registered, self._regions = [], None
+        self._waiters = {}
         for view in self._registered:
             try:
                 self.dev.unregister_host(view)

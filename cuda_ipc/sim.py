@@ -201,6 +201,15 @@ class SimDevice:
     def stream_idle(self, stream):
         return stream.idle()
 
+    def streams_idle(self, streams, deadline):
+        """Wait until every stream in `streams` ran what it was given; False past `deadline`."""
+        for s in streams:
+            while not s.idle():
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(_POLL_S)
+        return True
+
     def close(self):
         for s in self._streams:
             s.close()

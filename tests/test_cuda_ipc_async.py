@@ -112,6 +112,31 @@ def test_init_destroy_cycles_leak_nothing():
     assert not new_foreign_entries(before), "segments left in /dev/shm"
 
 
+def _close_with_a_waiting_stream(rank, ws, store):
+    import torch
+    from cuda_sim_util import device_group
+    from shmcoll.ops import ReduceOp
+    group, dg, dev = device_group(store, rank, ws)
+    t = torch.ones(1000)
+    last = dg.all_reduce(t, "float32", ReduceOp.SUM)
+    side = dev.new_stream("side")
+    dev.run(side, time.sleep, 0.5)  # the side stream reaches its wait late
+    dg.arena.stream_wait_done(side, last)  # what Work.wait() does on another stream
+    group.close()
+    idle_at_close = side.idle()
+    dg.arena.stream_wait_done(side, last)  # after close: must enqueue nothing
+    return idle_at_close, side.idle(), float(t[0])
+
+
+def test_close_waits_for_streams_that_wait_on_its_flags():
+    """A stream made to wait on the arena's MINE word (Work.wait on another stream) reads
+    that word when it gets there: close() lets it do so before unmapping the word (else a
+    device page fault on a GPU; a crash here), and a Work.wait() after close enqueues
+    nothing on the unmapped word."""
+    out = harness.run_ranks(_close_with_a_waiting_stream, 2, "processes", JOB_TIMEOUT_S)
+    assert out == [(True, True, 2.0)] * 2, out
+
+
 # ---------------------------------------------------------------------------- faults
 
 def test_killed_peer_fails_the_survivor_fast_and_its_stream_drains(tmp_path):
