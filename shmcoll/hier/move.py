@@ -9,8 +9,11 @@ its contact inside the node (an intra-node broadcast, or point-to-point).
   channel; the other nodes broadcast inside. Nodes of equal size, from shard_min_nbytes:
   every local rank l passes shard l over channel l, the other nodes all-gather the shards.
 - all_gather: nodes of equal size: local rank l all-gathers its own input over channel l
-  (the inputs of local rank l of every node), then the node all-gathers those; otherwise
-  the leaders gather their node, exchange node blocks, and broadcast inside the node.
+  (the inputs of local rank l of every node), then the node all-gathers those; from
+  ALL_GATHER_SPLIT_MIN_NBYTES the node first gathers its own blocks while the first round
+  is in flight, and after the exchange gathers only the other nodes' blocks (straight into
+  the output where they lie in order). Otherwise the leaders gather their node, exchange
+  node blocks, and broadcast inside the node.
 - gather / scatter: through the contacts (node blocks padded to the largest node).
 - all_to_all: pairs on one node through shared memory, pairs across nodes in one
   all_to_all over the world channel.
@@ -26,6 +29,12 @@ from . import wire
 __all__ = ["broadcast", "all_gather", "gather", "scatter", "all_to_all", "barrier"]
 
 _P2P_TAG = 1  # intra-node point-to-point of the contact: the engine group's only p2p user
+# all_gather on nodes of equal size takes _all_gather_split from this input size per rank.
+# benchmarks/hier_ab.py, 2 namespaced hosts x 2 ranks on the 2-core VM, split / one intra
+# step after the exchange, two runs each: 2 KiB 1.04, 1.10; 8 KiB 0.97, 1.02; 32 KiB 1.07,
+# 0.86; 64 KiB 0.86, 0.90; 256 KiB 0.74, 0.78; 1 MiB 0.68, 0.69; 4 MiB 0.66, 0.68; 16 MiB
+# 0.63, 0.64.
+ALL_GATHER_SPLIT_MIN_NBYTES = 64 << 10
 
 
 def _contact(g, root):
@@ -87,6 +96,50 @@ def _broadcast_sharded(call, buf, root):
             buf[:] = full[:n]
 
 
+def _node_block(g, out, node, n):
+    """out's bytes of `node`'s ranks when they are consecutive ranks (torchrun's layout),
+    else None."""
+    ranks = g.layout.nodes[node]
+    if ranks[-1] - ranks[0] + 1 != len(ranks):
+        return None
+    return out[ranks[0] * n:(ranks[-1] + 1) * n]
+
+
+def _all_gather_split(call, src, out, step):
+    """all_gather on nodes of equal size, for large inputs: the node's own blocks are
+    gathered inside the node while the first round is in flight, then every local rank
+    exchanges its input over its channel and the node all-gathers what came in. Written
+    straight into `out` where the blocks lie in order (consecutive ranks per node; at 2
+    nodes the other node's blocks too), else through scratch."""
+    g = call.g
+    layout, n = g.layout, src.nbytes
+    members, nlocal, me = layout.num_nodes, layout.shards, g.node
+    early = call.start_frame(g.channel)
+    own = _node_block(g, out, me, n)
+    node_buf = own if own is not None else g.scratch("node", nlocal * n)
+    call.intra("intra-node all-gather", g.intra.all_gather, node_buf, src)
+    if own is None:
+        for l, r in enumerate(layout.nodes[me]):
+            out[r * n:(r + 1) * n] = node_buf[l * n:(l + 1) * n]
+    call.finish_frame(early, step + " (first round)")
+    others = [m for m in range(members) if m != me]
+    direct = members == 2 and _node_block(g, out, others[0], n) is not None
+    r_other = layout.rank_of(others[0], g.local)
+    recv = out[r_other * n:(r_other + 1) * n] if direct else \
+        g.scratch("recv", (members - 1) * n)
+    call.move(step, g.channel.exchange, recv, src)
+    far = _node_block(g, out, others[0], n) if direct else \
+        g.scratch("far", nlocal * (members - 1) * n)
+    call.intra("intra-node all-gather of the other nodes' blocks", g.intra.all_gather, far,
+               recv)
+    if not direct:
+        for l in range(nlocal):
+            for k, m in enumerate(others):
+                r = layout.rank_of(m, l)
+                at = (l * (members - 1) + k) * n
+                out[r * n:(r + 1) * n] = far[at:at + n]
+
+
 def all_gather(call, src, out):
     """out (W * src.nbytes, global rank order) <- every rank's src."""
     g = call.g
@@ -94,6 +147,9 @@ def all_gather(call, src, out):
     if layout.even and layout.shards > 1:
         members, nlocal = layout.num_nodes, layout.shards
         step = f"inter-node all_gather over channel {g.local}"
+        if n >= ALL_GATHER_SPLIT_MIN_NBYTES:
+            _all_gather_split(call, src, out, step)
+            return
         if n <= wire.INLINE_NBYTES:
             rows = call.frame_round(g.channel, src, step + " (first round)")
             mine = np.ascontiguousarray(rows[:, :n]).reshape(-1)
