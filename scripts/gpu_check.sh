@@ -22,7 +22,8 @@
 #
 # Through the device tool (no network there; posix-ipc travels as a wheel):
 #   here, once:  bash scripts/gpu_wheels.sh          (fills .whl/, git-ignored)
-#   run:  command "GPU_RESULTS=$OUT bash scripts/gpu_check.sh", carry [".whl"], timeout_s 600
+#   run:  command "GPU_CHECK_COMMIT=<git rev-parse --short HEAD here> GPU_RESULTS=$OUT
+#         bash scripts/gpu_check.sh", carry [".whl"], timeout_s 600
 #   then copy the files from files_at into docs/results/ and commit them.
 # Deadlines in seconds (GPU_T_ENV, GPU_T_SUITE, GPU_T_LEAK, GPU_T_BENCH2, GPU_T_BENCH4,
 # GPU_T_EXTRAS): 45, 180, 90, 85, 50, 70 = 520 s at most.
@@ -47,7 +48,8 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   fi
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
-commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+# the device tool copies the working tree without .git: pass GPU_CHECK_COMMIT there
+commit=${GPU_CHECK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 export GPU_CHECK_COMMIT=$commit GPU_CHECK_STAGE=$stage GPU_CHECK_WHEELS=$wheels GPU_CHECK_PY=$PY
 status=0
 summary=("--- stages (commit $commit):")
