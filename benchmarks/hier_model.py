@@ -18,6 +18,10 @@ all_gather output):
               from 3 nodes and S / L >= RS_MIN the exchange is reduce-scatter +
               all-gather: 2a + 2 (N - 1) / N * (S / L) / B
   all_gather  intra(all_gather, L, S / N) + x(N, S / (N L))          (equal nodes)
+              from SPLIT_MIN per rank: max(a, intra(all_gather, L, S / N))
+              + (N - 1) * S / (N L) / B + intra(all_gather, L, S (N - 1) / N)
+              (the node's own blocks gathered while the first round is in flight,
+              the other nodes' blocks after the exchange)
   plain gloo  ring over W = N L ranks: all_reduce 2 (W - 1) (g + S / (W Bg)),
               all_gather (W - 1) (g + S / (W Bg))
 (the intra-node reduce + broadcast of the leaders' path costs about one intra-node
@@ -32,6 +36,7 @@ import sys
 from pathlib import Path
 
 from shmcoll.hier.reduce import HIER_SHARD_MIN_NBYTES as SHARD_MIN
+from shmcoll.hier.move import ALL_GATHER_SPLIT_MIN_NBYTES as SPLIT_MIN
 from shmcoll.hier.reduce import RS_MIN_NBYTES as RS_MIN
 
 __all__ = ["fit_line", "predict_hier", "predict_ring", "main"]
@@ -89,6 +94,9 @@ def predict_hier(op, nodes, local, nbytes, intra, a, per_byte):
             x = exchange_us(nodes, s, a, per_byte)
         return intra("all_reduce", nbytes) + x
     per_rank = nbytes / (nodes * local)
+    if local > 1 and per_rank >= SPLIT_MIN:
+        return max(a, intra("all_gather", nbytes / nodes)) + \
+            (nodes - 1) * per_rank * per_byte + intra("all_gather", nbytes * (nodes - 1) / nodes)
     return intra("all_gather", nbytes / nodes) + exchange_us(nodes, per_rank, a, per_byte)
 
 
@@ -132,7 +140,12 @@ def predict_cluster(c, op, nodes, local, nbytes):
             2 * (nodes * local - 1) / (nodes * local) * nbytes / c["b_ring"]
     else:
         per_rank = nbytes / (nodes * local)
-        hier = x(per_rank, nodes) + intra("all_gather", nbytes / nodes)
+        if local > 1 and per_rank >= SPLIT_MIN:
+            hier = max(c["a"], intra("all_gather", nbytes / nodes)) + \
+                (nodes - 1) * (c["o"] + per_rank / b) + \
+                intra("all_gather", nbytes * (nodes - 1) / nodes)
+        else:
+            hier = x(per_rank, nodes) + intra("all_gather", nbytes / nodes)
         ring = (nodes * local - 1) * (c["g"] + per_rank / c["b_ring"])
     return hier, ring
 
@@ -199,7 +212,12 @@ def main(argv=None):
                 ring = share * ((w - 1) * g2 + 2 * (w - 1) / w * nbytes * gb2)
             else:
                 per_rank = nbytes / w
-                model = share * (_interp(intra_curve, nbytes / nodes) + _interp(x, 2 * per_rank))
+                own = _interp(intra_curve, nbytes / nodes)
+                if local > 1 and per_rank >= SPLIT_MIN:  # own blocks during the first round
+                    far = _interp(intra_curve, nbytes * (nodes - 1) / nodes)
+                    model = share * (max(a, own) + _interp(x, 2 * per_rank) - a + far)
+                else:
+                    model = share * (own + _interp(x, 2 * per_rank))
                 # ring: W-1 steps of S/W; at 2 ranks g2 = 1 step, gb2 = per byte of S/2
                 ring = share * ((w - 1) * g2 + 2 * (w - 1) / w * nbytes * gb2)
             m, p = hier[nbytes], plain.get(nbytes, float("nan"))
