@@ -5,11 +5,12 @@
 DeepSpeed ships a C++ shared-memory all-reduce for CPU ranks on one machine
 (csrc/cpu/comm/shm.cpp, op "deepspeed_shm_comm", compiled on first use with
 torch.utils.cpp_extension): what `deepspeed.comm.inference_all_reduce` runs when every rank
-is local. Its ranks are torch ranks of bench.py with a gloo process group (for barriers and
-the bookkeeping side group); only the timed call differs: `torch.ops.deepspeed.
-inference_all_reduce_(tensor)`, in place, SUM, float32 / float16 / bfloat16 (other dtypes
-and collectives are not in that op, and are skipped with a message). Buffers, verification
-and timing are bench.py's own, so its rows compare with the others directly.
+is local. Its ranks are the torch ranks of benchmarks/ranks.py with a gloo process group
+(for barriers and the bookkeeping side group); only the timed call differs: `torch.ops.
+deepspeed.inference_all_reduce_(tensor)`, in place, SUM, float32 / float16 / bfloat16 (other
+dtypes and collectives are not in that op, and are skipped with a message). Buffers,
+verification and timing are the torch ranks' own, so its rows compare with the others
+directly.
 
 The op names its segments /dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>
 from MASTER_ADDR / MASTER_PORT and never unlinks them: every run gets its own name (a token
@@ -58,7 +59,8 @@ def _load():
 
 def attach(rank, world_size, token):
     """In a rank, after the process groups exist: map every rank's workspace (the op waits
-    until all ranks have created theirs) and return the all_reduce call for bench.py."""
+    until all ranks have created theirs) and return the all_reduce call for the rank's
+    timing loop."""
     import torch
 
     os.environ.update(LOCAL_SIZE=str(world_size), MASTER_ADDR=_ADDR, MASTER_PORT=str(token))

@@ -9,15 +9,16 @@ on a hang. Its default mpirun arguments are ``--bind-to none --mca pml ob1 --mca
 (Open MPI 5: the ob1 point-to-point layer over the shared-memory BTL "sm", which replaced
 "vader" of 4.x; with CMA single-copy for large messages), see ``--mpirun-args``.
 
-Every rank does exactly what a torch rank of bench.py does, with the MPI call in place of
-the torch.distributed call:
+Every rank does exactly what a torch rank (benchmarks/ranks.py) does, with the MPI call in
+place of the torch.distributed call:
 
 * the buffers, input patterns, output poisoning and exact verification are those of
   benchmarks/collectives.py (torch tensors; MPI gets their memory through ``.numpy()`` views,
   so ``reset`` / ``corrupt`` / ``check`` act on the very bytes MPI reads and writes);
 * iteration planning (``plan_iterations``), warmup, timing and the ``--inject-error`` hook are
-  bench.py's own ``_bench_one``, with ``MPI_Barrier`` in place of ``dist.barrier``;
-* rows are built by bench.py's ``make_row``, so the columns and busbw factors are the same.
+  the torch ranks' own ``_bench_one``, with ``MPI_Barrier`` in place of ``dist.barrier``;
+* rows are built by ``make_row`` (benchmarks/rows.py), so the columns and busbw factors are
+  the same.
 
 Op mapping (all SUM, all blocking): all_reduce -> Allreduce(IN_PLACE) (torch's all_reduce is
 in place too), broadcast -> Bcast, all_gather -> Allgather, reduce_scatter ->
