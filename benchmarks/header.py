@@ -59,16 +59,22 @@ def git_commit(start: Path = Path(__file__).resolve().parent) -> str:
         if not head.startswith("ref:"):
             return head or None
         ref = head.split(":", 1)[1].strip()
-        try:
-            return (git / ref).read_text().strip()
+        dirs = [git]
+        try:  # a linked worktree keeps its refs in the main repository ("commondir")
+            dirs.append((git / (git / "commondir").read_text().strip()).resolve())
         except OSError:
             pass
-        try:
-            for line in (git / "packed-refs").read_text().splitlines():
-                if line.endswith(" " + ref):
-                    return line.split()[0]
-        except OSError:
-            pass
+        for where in dirs:
+            try:
+                return (where / ref).read_text().strip()
+            except OSError:
+                pass
+            try:
+                for line in (where / "packed-refs").read_text().splitlines():
+                    if line.endswith(" " + ref):
+                        return line.split()[0]
+            except OSError:
+                pass
         return None  # e.g. a branch without commits yet
     return None
 

@@ -252,3 +252,29 @@ def test_unknown_backend_is_reported_at_init_by_name(tmp_path):
     assert [(e["backend"], e["kind"]) for e in errors] == [("nosuch", "init failed")]
     assert "did not register a backend named 'nosuch'" in errors[0]["message"]
     assert [r["backend"] for r in rows] == ["memcpy"]
+
+
+def test_git_commit_reads_main_checkouts_and_linked_worktrees(tmp_path):
+    """The run header's commit, read from .git without a git process: a plain checkout,
+    and a linked worktree whose branch ref lives in the main repository (commondir)."""
+    import subprocess
+
+    from benchmarks.header import git_commit
+
+    def git(*args, cwd=tmp_path / "repo"):
+        return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True,
+                              text=True, env={**os.environ, "GIT_AUTHOR_NAME": "t",
+                                              "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+                                              "GIT_COMMITTER_EMAIL": "t@t"}).stdout.strip()
+    (tmp_path / "repo").mkdir()
+    git("init", "-q")
+    (tmp_path / "repo" / "f").write_text("x")
+    git("add", "f")
+    git("commit", "-qm", "one")
+    head = git("rev-parse", "HEAD")
+    assert git_commit(tmp_path / "repo") == head
+    git("worktree", "add", "-q", "-b", "side", str(tmp_path / "wt"))
+    (tmp_path / "wt" / "g").write_text("y")
+    git("add", "g", cwd=tmp_path / "wt")
+    git("commit", "-qm", "two", cwd=tmp_path / "wt")
+    assert git_commit(tmp_path / "wt") == git("rev-parse", "HEAD", cwd=tmp_path / "wt") != head
