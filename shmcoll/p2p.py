@@ -45,148 +45,43 @@ Between waits it checks deadlines, peer liveness and the abort/close word: a tim
 lost peer or an abort fails every pending op, marks our region aborted and poisons the
 group (on_fatal). close() joins the thread before the regions are unmapped.
 P2P never touches POSTED, SEQ or fingerprints, so it interleaves freely with collectives.
+
+Where the code is: this module posts, sends, receives and matches (P2PEngine, Request);
+p2p_cells.py holds the cell kernels (rules 1-3) and their kernel sets, p2p_progress.py the
+progress thread's loop and waits and the failure, abort and close paths (ProgressMixin).
 """
 
 import collections
-import copy
 import logging
 import threading
 import time
 
-import numba
 import numpy as np
 
 from . import jit
-from .atomics import (copy_bytes, load_acquire, read_acquire, store_release, wait_any_ge,
-                      write_release)
+from .atomics import read_acquire
 from .atomics import warm_up as atomics_warm_up
-from .errors import (CollectiveMismatchError, CollectiveTimeoutError, GroupAbortedError,
-                     PeerLostError, ShmcollError)
-from .protocol import (LINE_NBYTES, SLEEP_MAX_S, SLEEP_MIN_S, SPINS, STATE_ABORTED,
-                       STATE_CLOSED, STATE_LIVE, W_STATE, YIELD_NS)
+from .errors import CollectiveMismatchError, CollectiveTimeoutError, GroupAbortedError, \
+    ShmcollError
+from .p2p_cells import (  # noqa: F401  (ensure_kernels: re-exported for warmup.py)
+    _CELL_KERNELS,
+    _NEVER,
+    ANY_SOURCE,
+    _ncells,
+    _peek_cell,
+    _push_cells,
+    _take_cells,
+    ensure_kernels,
+)
+from .p2p_progress import ProgressMixin, _copy_error
+from .protocol import LINE_NBYTES, SPINS, STATE_LIVE, W_STATE
 
 __all__ = ["P2PEngine", "Request", "ANY_SOURCE", "ensure_kernels"]
 
 log = logging.getLogger("shmcoll")
-
-ANY_SOURCE = -1
-_H_SEQ, _H_MSG, _H_TAG, _H_TOTAL, _H_OFFSET, _H_NBYTES = range(6)
-_HDR = LINE_NBYTES  # a cell's header line; the payload follows
 _DISCARD = np.zeros(1, np.uint8)  # buf argument when a dropped message is drained
-_NEVER = np.iinfo(np.int64).max
 _MAX_TOTAL = 1 << 50  # sanity bound on a size read from a peer's region
 _CALLBACK_LOCK = threading.Lock()
-# Nothing pending on this rank: polls slow down to this (a 1 kHz poll costs ~2-3 % of a
-# core in Python). Only a peer's message larger than the ring waits for it; posts wake
-# the thread at once and any arriving cell brings the backoff back to its minimum.
-IDLE_SLEEP_MAX_S = 8e-3
-
-
-def _ncells(nbytes, cell_nbytes):
-    """Cells a message takes (a 0-byte message still takes one)."""
-    return max(1, -(-nbytes // cell_nbytes))
-
-
-_CELL_KERNELS = "shmcoll's point-to-point kernels"
-_PROGRESS_WAIT = "shmcoll's point-to-point progress wait"
-
-
-def _warm_progress_wait():
-    word = np.zeros(1, np.int64)
-    addrs = np.array([word.ctypes.data], np.int64)
-    wait_any_ge(addrs, np.zeros(1, np.int64), 0, 0, word.ctypes.data)
-
-
-def ensure_kernels():
-    """Compile (or load from numba's cache) the cell kernels below, once per process, under
-    the job's compile lock (jit.py). A group's progress thread runs from its creation, but
-    these wait for the first message this process posts or receives: most jobs send none,
-    and compiling them (~0.7 s cold) would delay the first collectives."""
-    jit.once(_PROGRESS_WAIT, _warm_progress_wait)
-    jit.once(_CELL_KERNELS, _warm_kernels)
-
-
-def _warm_kernels():
-    ring = np.zeros(_HDR + 64, np.uint8)
-    word = np.zeros(1, np.int64)
-    addr, waddr = ring.ctypes.data, word.ctypes.data
-    none = np.zeros(0, np.uint8)
-    # Arguments that do no work: no cell to write, none ready, none left to take.
-    _push_cells(ring, addr, 1, ring.size, 0, 0, waddr, none, 1, 0, 0)
-    _peek_cell(ring, addr, 1, ring.size, 0)
-    _take_cells(ring, addr, 1, ring.size, 0, waddr, none, False, 0, 0, 0, 1)
-
-
-# -- cell kernels (rules 1-3): per-cell work in compiled code, GIL released ------------------
-# `ring` is one pair's K cells (uint8, K * stride bytes), `ring_addr` its address.
-
-@numba.njit(nogil=True, cache=True)
-def _push_cells(ring, ring_addr, K, stride, sent, room, consumed_addr, data, j, msg, tag):
-    """Write cells j, j+1, ... of message `msg` (= data) as pair cells sent+1, ... while
-    the ring has room. Returns (sent, room, j) after."""
-    words = ring.view(np.int64)
-    C = stride - _HDR
-    total = data.shape[0]
-    ncells = max(1, (total + C - 1) // C)
-    while j < ncells:
-        n = sent + 1
-        if n - K > room:
-            room = load_acquire(consumed_addr)
-            if n - K > room:
-                break  # rule 1: cell n - K not consumed yet
-        p = ((n - 1) % K) * stride
-        off = j * C
-        nb = min(C, total - off)
-        copy_bytes(ring_addr + p + _HDR, data.ctypes.data + off, nb)
-        w = p // 8
-        words[w + _H_MSG] = msg
-        words[w + _H_TAG] = tag
-        words[w + _H_TOTAL] = total
-        words[w + _H_OFFSET] = off
-        words[w + _H_NBYTES] = nb
-        store_release(ring_addr + p, n)  # rule 2: the sequence word goes last
-        sent = n
-        j += 1
-    return sent, room, j
-
-
-@numba.njit(nogil=True, cache=True)
-def _peek_cell(ring, ring_addr, K, stride, taken):
-    """(ready, msg, tag, total, offset, nbytes) of pair cell taken+1, without consuming it."""
-    p = (taken % K) * stride
-    if load_acquire(ring_addr + p) < taken + 1:
-        return False, 0, 0, 0, 0, 0
-    w = p // 8
-    words = ring.view(np.int64)
-    return (True, words[w + _H_MSG], words[w + _H_TAG], words[w + _H_TOTAL],
-            words[w + _H_OFFSET], words[w + _H_NBYTES])
-
-
-@numba.njit(nogil=True, cache=True)
-def _take_cells(ring, ring_addr, K, stride, taken, consumed_addr, buf, copy, msg, tag, total, j):
-    """Consume cells j, j+1, ... of message (msg, tag, total) while present, copying them
-    into buf if `copy`. Returns (taken, j, corrupt) after; stops at a bad header."""
-    words = ring.view(np.int64)
-    C = stride - _HDR
-    ncells = max(1, (total + C - 1) // C)
-    while j < ncells:
-        n = taken + 1
-        p = ((n - 1) % K) * stride
-        if load_acquire(ring_addr + p) < n:
-            break
-        w = p // 8
-        off = j * C
-        nb = min(C, total - off)
-        if (words[w + _H_MSG] != msg or words[w + _H_TAG] != tag or
-                words[w + _H_TOTAL] != total or words[w + _H_OFFSET] != off or
-                words[w + _H_NBYTES] != nb):
-            return taken, j, True
-        if copy:
-            copy_bytes(buf.ctypes.data + off, ring_addr + p + _HDR, nb)
-        store_release(consumed_addr, n)  # rule 3: after the copy, frees the cell
-        taken = n
-        j += 1
-    return taken, j, False
 
 
 class Request:
@@ -272,7 +167,7 @@ class _Unexpected:
         self.buf = np.empty(total, np.uint8)
 
 
-class P2PEngine:
+class P2PEngine(ProgressMixin):
     """Mailboxes, matching and the progress thread of one rank of one group."""
 
     def __init__(self, regions, rank, layout, is_alive, oversubscribed=False, name=""):
@@ -473,204 +368,3 @@ class P2PEngine:
         return ShmcollError(f"[Rank {self.rank}] p2p: cell {self._taken[src] + 1} from rank {src} "
                             f"is corrupt: expected {expected}, found "
                             f"(msg, tag, total, offset, nbytes) = {got}")
-
-    # -- progress thread -----------------------------------------------------------------
-
-    def _pending(self):
-        return bool(self._posted or any(self._sendq) or
-                    any(c is not None and c.req is not None for c in self._incoming))
-
-    def _progress(self):
-        """One pass: drain every ring, push every queue. Returns (did anything, pending)."""
-        did = self._drain_all()
-        for dst in range(self.world_size):
-            if self._sendq[dst] and self._push(dst):
-                did = True
-        return did, self._pending()
-
-    def _watch(self):
-        """Words whose growth means progress: next cell of each source, a free cell for each
-        destination with queued sends, the post bell. Returns (addrs, targets)."""
-        ws, K = self.world_size, self._K
-        addrs, targets = self._watch_addrs, self._watch_targets
-        for s in range(ws):
-            addrs[s] = self._in_addr[s] + (self._taken[s] % K) * self._stride
-            targets[s] = self._taken[s] + 1
-            targets[ws + s] = self._sent[s] + 1 - K if self._sendq[s] else _NEVER
-        targets[2 * ws] = self._bell[0] + 1
-        return addrs, targets
-
-    def _loop(self):
-        sleep_s = SLEEP_MIN_S
-        suspect = None  # a lost peer seen after an idle pass; fatal if the next pass is idle too
-        my_state = self._state[self.rank]
-        try:
-            jit.once(_PROGRESS_WAIT, _warm_progress_wait)
-            while not self._stopping:
-                with self._lock:
-                    did, pending = self._progress()
-                    addrs, targets = self._watch()
-                self._settle_done()
-                if read_acquire(my_state) != STATE_LIVE:
-                    self._fail_all(GroupAbortedError, "the group was aborted or closed on rank "
-                                   f"{self.rank}")
-                    return
-                if did:
-                    sleep_s, suspect = SLEEP_MIN_S, None
-                    continue
-                if pending:
-                    with self._lock:
-                        error = self._check_pending()
-                    if isinstance(error, PeerLostError) and suspect is None:
-                        suspect = error  # its last cells may have landed after our pass
-                        continue
-                    if error is not None:
-                        self._fatal(error)
-                        return
-                sleep_s = self._idle_wait(addrs, targets, pending, sleep_s)
-        except BaseException as e:  # a bug or a corrupt peer: fail loudly, never hang
-            self._fatal(e if isinstance(e, ShmcollError) else
-                        ShmcollError(f"[Rank {self.rank}] p2p progress failed: {e!r}"))
-
-    def _idle_wait(self, addrs, targets, pending, sleep_s):
-        """Wait for a watched word, a post or the abort word; returns the next sleep.
-
-        Right after activity (sleep at its minimum) with ops pending: spin/yield polls;
-        then sleeps doubling to SLEEP_MAX_S (ops pending: it returns after each sleep to
-        check deadlines and peers) or, with nothing pending, on to IDLE_SLEEP_MAX_S without
-        full passes. A post wakes it at once; the first arriving cell resets the backoff.
-        """
-        first = pending and sleep_s == SLEEP_MIN_S
-        my_state = self._state[self.rank]
-        r = wait_any_ge(addrs, targets, self._spins if first else 0, YIELD_NS if first else 0,
-                        my_state)
-        while r == -1 and not self._stopping:
-            if self._wake.wait(sleep_s):
-                self._wake.clear()
-                return SLEEP_MIN_S
-            sleep_s = min(sleep_s * 2, SLEEP_MAX_S if pending else IDLE_SLEEP_MAX_S)
-            if pending:
-                return sleep_s
-            r = wait_any_ge(addrs, targets, 0, 0, my_state)
-        return SLEEP_MIN_S
-
-    def _check_pending(self):
-        """The first deadline passed or peer lost among pending ops (caller holds the lock)."""
-        reqs = list(self._posted) + [q[0] for q in self._sendq if q]
-        reqs += [c.req for c in self._incoming if c is not None and c.req is not None]
-        now = time.monotonic()
-        for req in reqs:
-            if now > req.deadline:
-                return CollectiveTimeoutError(
-                    f"[Rank {self.rank}] {req.describe()}: Timed out waiting "
-                    f"{int(round(req.timeout_s * 1000))}ms {self._progress_note(req)}")
-        for req in reqs:
-            error = self._check_peers(req)
-            if error is not None:
-                return error
-        return None
-
-    def _progress_note(self, req):
-        if req.op == "send":
-            sent = min(req.cells * self._C, req.nbytes)
-            return f"for rank {req.peer} to take its messages ({sent} of {req.nbytes} bytes sent)"
-        cur = next((c for c in self._incoming if c is not None and c.req is req), None)
-        if cur is None:
-            return "for the message (nothing matching arrived)"
-        got = min(cur.cells * self._C, cur.total)
-        return f"for the rest of the message ({got} of {cur.total} bytes arrived)"
-
-    def _check_peers(self, req):
-        peers = [req.peer] if req.peer != ANY_SOURCE else \
-            [p for p in range(self.world_size) if p != self.rank]
-        gone = []
-        for p in peers:
-            if p == self.rank:
-                continue
-            state = int(read_acquire(self._state[p]))
-            if state == STATE_ABORTED:
-                return GroupAbortedError(
-                    f"[Rank {self.rank}] {req.describe()}: rank {p} aborted the group; this "
-                    f"group is unusable, create a new one")
-            closed = state == STATE_CLOSED
-            if closed or not self._is_alive(p):
-                if not closed or req.peer != ANY_SOURCE:
-                    what = "closed the group" if closed else "exited"
-                    return PeerLostError(
-                        f"[Rank {self.rank}] {req.describe()}: rank {p} {what} while rank "
-                        f"{self.rank} waited for it; this group is unusable, create a new one",
-                        peer=p)
-                gone.append(p)
-        if peers and req.peer == ANY_SOURCE and len(gone) == len(peers):
-            return PeerLostError(f"[Rank {self.rank}] {req.describe()}: every other rank "
-                                 f"closed the group", peer=gone[0])
-        return None
-
-    # -- completion, failure, lifecycle ---------------------------------------------------
-
-    def _settle_done(self):
-        if not self._done:
-            return
-        with self._lock:
-            done, self._done = self._done, []
-        for req, error in done:
-            req._settle(error)
-
-    def _fatal(self, error):
-        """Fail every pending op with `error`, tell peers (STATE aborted), poison the group."""
-        with self._lock:
-            if self._failed is None:
-                self._failed = error
-                if read_acquire(self._state[self.rank]) == STATE_LIVE:
-                    write_release(self._state[self.rank], STATE_ABORTED)
-        if self.on_fatal is not None:
-            self.on_fatal(error)
-        self._fail_all(None, None)
-
-    def _fail_all(self, cls, why):
-        with self._lock:
-            reqs = list(self._posted) + [r for q in self._sendq for r in q]
-            reqs += [c.req for c in self._incoming if c is not None and c.req is not None]
-            self._posted.clear()
-            for q in self._sendq:
-                q.clear()
-            for c in self._incoming:
-                if c is not None:
-                    c.req = c.buf = c.unexpected = None
-            failed = self._failed
-        self._settle_done()
-        for req in reqs:
-            if req.is_completed():
-                continue
-            req._settle(_copy_error(failed) if cls is None or failed is not None
-                        else cls(f"{req.describe()}: {why}"))
-
-    def abort(self):
-        """Fail pending ops soon (the thread sees the abort word); callable from any thread."""
-        with self._lock:
-            if self._stopping:  # closed: the regions may be unmapped already
-                return
-            if read_acquire(self._state[self.rank]) == STATE_LIVE:
-                write_release(self._state[self.rank], STATE_ABORTED)
-        self._wake.set()
-
-    def close(self, join_timeout_s=10.0):
-        """Stop and join the progress thread (before the regions are unmapped); idempotent."""
-        with self._lock:
-            self._stopping = True
-        self._wake.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(join_timeout_s)
-        self._fail_all(ShmcollError, f"the group was closed on rank {self.rank}")
-        if self._thread.is_alive():
-            raise ShmcollError(f"p2p progress thread of rank {self.rank} did not stop within "
-                               f"{join_timeout_s} s")
-        # drop our views of the regions so their mappings can really be closed
-        self._regions = self._out = self._in = self._out_hdr = self._in_hdr = None
-
-
-def _copy_error(error):
-    try:
-        return copy.copy(error)
-    except Exception:  # pragma: no cover
-        return ShmcollError(str(error))

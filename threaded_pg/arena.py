@@ -66,7 +66,7 @@ class RankStates:
         self._finished = [False] * world_size
         self._failed = [False] * world_size
         self.failure = threading.Event()
-        # The rank threads' shared "Python turn" word (protocol._gil_leave): 0 free, else
+        # The rank threads' shared "Python turn" word (protocol_kernels._gil_leave): 0 free, else
         # the holder's global rank + 1. On its own 128-byte line.
         self._turn = _aligned_zeros(LINE_NBYTES).view(np.int64)
 

@@ -1,0 +1,58 @@
+"""The engine Group's argument helpers: 1-D views of arrays (a temporary copy for strided
+ones), argument checks, and the fingerprint words of an array's dtype and shape. Shared by
+group.py, its mixins (group_reductions.py, group_movement.py, group_p2p.py) and hier/api.py.
+"""
+
+import numpy as np
+
+from .ops import dtype_of
+
+
+class _Flat:
+    """A 1-D contiguous view of an array; a temporary copy for strided ones, written back."""
+
+    __slots__ = ("array", "flat", "_copied")
+
+    def __init__(self, array, storage, copy_in=True):
+        self.array = array
+        if array.flags.c_contiguous:
+            self.flat = array.reshape(-1).view(storage)
+            self._copied = False
+        else:
+            tmp = np.ascontiguousarray(array) if copy_in else np.empty(array.shape, array.dtype)
+            self.flat = tmp.reshape(-1).view(storage)
+            self._copied = True
+
+    def write_back(self):
+        if self._copied:
+            self.array[...] = self.flat.view(self.array.dtype).reshape(self.array.shape)
+
+
+def _bytes(array):
+    """Flat uint8 view of a C-contiguous array (callers make it contiguous first)."""
+    return array.reshape(-1).view(np.uint8)
+
+
+def _check_arrays(name, arrays, same_dtype=False):
+    """Arguments are numpy arrays (TypeError otherwise), of one dtype where bytes move
+    between them (a float64 input into float32 outputs would be silently reinterpreted)."""
+    for i, a in enumerate(arrays):
+        if not isinstance(a, np.ndarray):
+            raise TypeError(f"{name}: expected a numpy array at index {i}, got {type(a).__name__}")
+        if same_dtype and a.dtype != arrays[0].dtype:
+            raise TypeError(f"{name}: mixed dtypes: {arrays[0].dtype} and {a.dtype} at index {i}")
+
+
+def _shape(array, extra=()):
+    """Fingerprint word for the array's shape (None: only `extra`, e.g. reduce_scatter's
+    split sizes, whose outputs legitimately differ in shape per rank). Equal shapes give
+    equal words on every rank (hashes of int tuples do not depend on PYTHONHASHSEED)."""
+    shape = () if array is None else tuple(array.shape)
+    return hash((shape, tuple(extra))) & 0x7FFFFFFFFFFFFFFF
+
+
+def _code_of(array):
+    try:
+        return dtype_of(array).code
+    except TypeError:
+        return 0

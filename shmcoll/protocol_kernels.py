@@ -1,0 +1,398 @@
+"""The protocol's steps as compiled code (numba, nogil, cached), and the kernel sets that
+load them on first use.
+
+protocol.py states the rules and holds the Arena, which calls these: `post_wake` / `sleep_on`
+(rule 2 and both halves of rule 5's sleeper handshake), `_exchange_steps` (copy-in and
+rules 1-4, nothing else) and the kernels built on it -- `_exchange_kernel`
+(Arena.exchange), `_one_step_kernel` + `_one_step_consume` (Arena.one_step), `_stream_kernel`
++ `_consume` (Arena._stream), `_two_shot_kernel` + `_two_shot_consume`
+(Arena.exchange_reduce_two_shot), `_wait_kernel` (Arena.wait_all) -- and the rank threads'
+Python turn around each of them (`_gil_enter` / `_gil_leave`). The kernels move bytes and
+reduce through a reducer's address (kernels.call_reduce), so each compiles once for every
+dtype. protocol.py re-exports the names other modules use.
+"""
+
+import numba
+import numpy as np
+
+from . import jit
+from .atomics import add_seq_cst, cas_acq_rel, copy_bytes, cpu_pause, fence_seq_cst, \
+    futex_wait, futex_wake, load_acquire, monotonic_ns, sched_yield, store_release, wait_all_ge
+from .kernels import call_reduce
+from .protocol_layout import CTRL_LINES, FP_RING, FP_WORDS, LINE_NBYTES, LINE_WORDS, \
+    STATE_ABORTED, _SLEEPERS_DELTA
+from .single_copy import CMA, gather_from_peers, reduce_from_peers
+
+# Rank threads only (Arena gil_turn): how long a rank whose wait completed waits (pause
+# polls, or yields when oversubscribed) for the Python turn before taking the GIL anyway;
+# see _gil_leave. Covers a peer's Python between two collectives (~10-30 us via dist.*).
+GIL_LEAVE_NS = 200_000
+# Sub-slots the streamed collectives cycle through (Arena._stream): 2 is the smallest ring
+# that needs no waits beyond the per-sub-chunk one (rule 6).
+STREAM_RING = 2
+STREAM_REDUCE, STREAM_GATHER = 0, 1  # what Arena._stream does with each sub-chunk
+# what Arena.one_step does after its wait (algorithms.one_step_mode picks one)
+ONE_STEP_REDUCE, ONE_STEP_BROADCAST, ONE_STEP_GATHER, ONE_STEP_REDUCE_SCATTER = range(4)
+# Words of Arena._cfg (the one-step kernel's constants) and rows of Arena._peer_tab.
+(_CFG_RANK, _CFG_SPINS, _CFG_YIELD_NS, _CFG_POSTED, _CFG_STATE, _CFG_SEQ, _CFG_GIL,
+ _CFG_GIL_ME, _CFG_VERIFY, _CFG_FP0) = range(10)
+_PEER_POSTED, _PEER_STATE, _PEER_FP0 = 0, 1, 2
+
+
+def warm_up():
+    """Compile (or load from numba's cache) every protocol kernel (warmup.py)."""
+    for what, build in _KERNEL_SETS:
+        jit.once(what, build)
+
+
+# The protocol kernels, in sets compiled on first use (jit.once), with exactly the argument
+# types Arena passes. They move bytes, so one compilation serves every dtype (a reduction
+# is a call through ops.ReduceSpec.fn). An Arena loads the one-step kernel when it is made (a group's warm-up does it earlier, during the rendezvous); the others
+# load when a collective first needs them (cold: 0.1-0.4 s each, 2-core VM).
+
+def _dummies():
+    """Arguments that make each kernel return at once (no peers, nothing to move). `words`
+    spans a control block: a post reads the SLEEPERS word _SLEEPERS_DELTA past POSTED."""
+    words = np.zeros(CTRL_LINES * LINE_WORDS, np.int64)
+    w = words.ctypes.data
+    cfg = np.zeros(_CFG_FP0 + 1, np.int64)
+    cfg[[_CFG_POSTED, _CFG_STATE, _CFG_SEQ, _CFG_FP0]] = (w + 8, w + 16, w, w + 24)
+    return (words, w, np.zeros(0, np.int64), np.array([w], np.int64), cfg,
+            np.zeros((2 + FP_RING, 0), np.int64), np.zeros(1, np.uint8), (0,) * FP_WORDS)
+
+
+def _warm_one_step():
+    words, w, none, srcs, cfg, tab, a, fp = _dummies()
+    _one_step_kernel(ONE_STEP_REDUCE, a[:0], _NO_BYTES, cfg, tab, srcs, np.zeros(8, np.int64),
+                     1.0, 1.0, 0, 0, -1)
+    _one_step_consume(ONE_STEP_BROADCAST, a[:0], _NO_BYTES, srcs, 0, 0, 0, 0, 1.0, 1.0)
+    post_wake(w + 8, 0)  # Arena.post
+
+
+def _warm_exchange():
+    words, w, none, srcs, cfg, tab, a, fp = _dummies()
+    _wait_kernel(none, 0, 0, 0, w + 16, 0, 0)
+    wait_all_ge(none, 0, 0, 0, w + 16)
+    sleep_on(w + 8, 0, 0)  # Arena._wait_slow
+    _exchange_kernel(a, 0, 0, 0, 0, *fp, w, 0, w + 8, 0, none, none, none, 0, 0, w + 16,
+                     True, 0, 0)
+
+
+def _warm_stream():
+    words, w, none, srcs, cfg, tab, a, fp = _dummies()
+    _stream_kernel(STREAM_REDUCE, a, 0, 0, 64, 0, 0, 0, *fp, w, 0, w + 8, 0, none, none, none,
+                   0, 0, w + 16, True, srcs, 0, 0, 0, 1.0, 1.0, _NO_BYTES, 0, 0)
+    _consume(STREAM_REDUCE, a, 0, 0, srcs, 0, 0, 0, 0, 1.0, 1.0, _NO_BYTES, 0, 0)
+
+
+def _warm_two_shot():
+    words, w, none, srcs, cfg, tab, a, fp = _dummies()
+    _two_shot_kernel(a[:0], 1, 64, 0, 0, 0, *fp, w, 0, w + 8, 0, none, none, none, 0, 0,
+                     w + 16, True, srcs, 0, 0, 0, 1.0, 1.0, 0, 0)
+    _two_shot_consume(0, a[:0], 1, 64, srcs, 0, 0, 0, 1.0, 1.0)
+
+
+def _warm_single_copy():
+    words, w, none, srcs, cfg, tab, a, fp = _dummies()
+    reduce_from_peers(CMA, none, srcs, 0, a[:0], 0, a, 1, 0, 0, 1.0, 1.0)
+    gather_from_peers(CMA, none, 0, none, none, none, none)
+
+
+_ONE_STEP = "shmcoll's one-step kernel"
+_EXCHANGE = "shmcoll's exchange and wait kernels"
+_STREAM = "shmcoll's streaming kernels"
+_TWO_SHOT = "shmcoll's two-shot kernels"
+_SINGLE_COPY = "shmcoll's single-copy kernels"
+_KERNEL_SETS = ((_ONE_STEP, _warm_one_step), (_EXCHANGE, _warm_exchange),
+                (_STREAM, _warm_stream), (_TWO_SHOT, _warm_two_shot),
+                (_SINGLE_COPY, _warm_single_copy))
+
+
+def warm_up_one_step():
+    """The one-step kernel (small collectives), once per process."""
+    jit.once(_ONE_STEP, _warm_one_step)
+
+
+_NO_BYTES = np.zeros(0, np.uint8)
+# Arguments of compiled calls between kernels: numba types a literal int argument as its
+# own Literal type and compiles the callee once more for it (0.1-0.2 s each when cold);
+# numpy scalars type as plain int64.
+_ZERO, _DONE = np.int64(0), np.int64(-1)
+
+
+@numba.njit(nogil=True, cache=True)
+def post_wake(posted_addr, step):
+    """Rule 2 and the waker's half of rule 5's sleeper handshake: publish `step` in the
+    POSTED word at `posted_addr`, then wake the peers asleep on it, if any (a full fence
+    first: acquire/release alone lets the SLEEPERS load pass the store)."""
+    store_release(posted_addr, step)
+    fence_seq_cst()
+    if load_acquire(posted_addr + _SLEEPERS_DELTA) != 0:
+        futex_wake(posted_addr)
+
+
+@numba.njit(nogil=True, cache=True)
+def sleep_on(posted_addr, target, timeout_ns):
+    """The sleeper's half of rule 5: sleep at most `timeout_ns` unless the POSTED word at
+    `posted_addr` (a peer's) reaches `target`; its post wakes us at once."""
+    add_seq_cst(posted_addr + _SLEEPERS_DELTA, 1)
+    fence_seq_cst()
+    seen = load_acquire(posted_addr)
+    if seen < target:
+        futex_wait(posted_addr, seen, timeout_ns)
+    add_seq_cst(posted_addr + _SLEEPERS_DELTA, -1)
+
+
+@numba.njit(nogil=True, cache=True)
+def _exchange_kernel(src, byte_offset, nbytes, dst, fp_addr, f0, f1, f2, f3, f4, f5, f6, f7,
+                     seq_addr, seq, posted_addr, step, peer_posted, peer_fp, peer_state,
+                     spins, yield_ns, abort_addr, verify, gil_addr, gil_me):
+    """Arena.exchange's compiled body: _exchange_steps between _gil_enter / _gil_leave."""
+    _gil_enter(gil_addr, gil_me)
+    r = _exchange_steps(src, byte_offset, nbytes, dst, fp_addr, f0, f1, f2, f3, f4, f5, f6, f7,
+                        seq_addr, seq, posted_addr, step, peer_posted, peer_fp, peer_state,
+                        spins, yield_ns, abort_addr, verify)
+    _gil_leave(gil_addr, gil_me, r, spins)
+    return r
+
+
+@numba.njit(nogil=True, cache=True)
+def _one_step_kernel(mode, src, out, cfg, peer_tab, srcs, plan, pre, post, seq, step, root):
+    """Arena.one_step's compiled body: _exchange_steps (copy src into my slot of `srcs`
+    unless I am a broadcast's non-root, write fingerprint [seq, step - 1, *plan[:6]], post
+    `step`, wait, check), then, when that returned -1, _one_step_consume (reducer
+    plan[7], op plan[6]). Returns _exchange_steps' code."""
+    rank = cfg[_CFG_RANK]
+    spins = cfg[_CFG_SPINS]
+    _gil_enter(cfg[_CFG_GIL], cfg[_CFG_GIL_ME])
+    k = seq % FP_RING
+    nbytes = src.nbytes if root < 0 or root == rank else 0
+    r = _exchange_steps(src, _ZERO, nbytes, srcs[rank], cfg[_CFG_FP0] + k * LINE_NBYTES,
+                        seq, step - 1, plan[0], plan[1], plan[2], plan[3], plan[4], plan[5],
+                        cfg[_CFG_SEQ], seq, cfg[_CFG_POSTED], step, peer_tab[_PEER_POSTED],
+                        peer_tab[_PEER_FP0 + k], peer_tab[_PEER_STATE], spins,
+                        cfg[_CFG_YIELD_NS], cfg[_CFG_STATE], cfg[_CFG_VERIFY] != 0)
+    if r == -1:
+        _one_step_consume(mode, src, out, srcs, rank, root, plan[7], plan[6], pre, post)
+    _gil_leave(cfg[_CFG_GIL], cfg[_CFG_GIL_ME], r, spins)
+    return r
+
+
+@numba.njit(nogil=True, cache=True)
+def _one_step_consume(mode, src, out, srcs, rank, root, fn, op, pre, post):
+    """The work after Arena.one_step's wait, per mode (every rank's copy is in its slot
+    of `srcs`, at offset 0; `fn` reduces). The same work as _consume's for one sub-chunk,
+    written out: calling _consume would compile it into the one-step kernel (~0.15 s more
+    for a cold first collective)."""
+    nbytes = src.nbytes
+    if mode == ONE_STEP_REDUCE:
+        if nbytes > 0:  # my own contribution from src: see _consume
+            call_reduce(fn, src.ctypes.data, srcs.ctypes.data, srcs.shape[0], 0, rank, nbytes,
+                        op, pre, post)
+    elif mode == ONE_STEP_GATHER:  # rank j's copy to out[j * nbytes:]; mine from src
+        for j in range(srcs.shape[0]):
+            copy_bytes(out.ctypes.data + j * nbytes, src.ctypes.data if j == rank else srcs[j],
+                       nbytes)
+    elif mode == ONE_STEP_REDUCE_SCATTER:  # block `rank` of every rank's slot
+        if out.nbytes > 0:
+            call_reduce(fn, out.ctypes.data, srcs.ctypes.data, srcs.shape[0], rank * out.nbytes,
+                        -1, out.nbytes, op, pre, post)
+    elif rank != root:
+        copy_bytes(src.ctypes.data, srcs[root], nbytes)
+
+
+@numba.njit(nogil=True, cache=True)
+def _wait_kernel(peer_posted, target, spins, yield_ns, abort_addr, gil_addr, gil_me):
+    """Arena.wait_all's compiled wait: atomics.wait_all_ge between _gil_enter / _gil_leave
+    (rank threads then take the Python turn on the way out, as after an exchange)."""
+    _gil_enter(gil_addr, gil_me)
+    r = wait_all_ge(peer_posted, target, spins, yield_ns, abort_addr)
+    _gil_leave(gil_addr, gil_me, r, spins)
+    return r
+
+
+@numba.njit(nogil=True, cache=True)
+def _gil_enter(turn_addr, me):
+    """Rank threads (threaded_pg) only: entering compiled code, so give up the Python turn
+    if this thread holds it (see _gil_leave)."""
+    if turn_addr != 0 and load_acquire(turn_addr) == me:
+        store_release(turn_addr, 0)
+
+
+@numba.njit(nogil=True, cache=True)
+def _gil_leave(turn_addr, me, r, spins):
+    """Rank threads only, before returning to Python (which takes the GIL back).
+
+    Ranks that are threads of one process run their Python one at a time under the GIL.
+    When a wait completes, typically every rank's does at once, and all of them reach for
+    the GIL together: one gets it, the others sleep in CPython's GIL wait and need a futex
+    wake-up when it is released (tens of us on a VM whose idle vCPU halted), per rank per
+    collective. So the rank threads of a spawn also share a "Python turn" word (0 free,
+    else the holder's id): a rank whose wait completed first takes the turn here, spinning
+    without the GIL while a peer holds it; the holder gives it up when it next enters
+    compiled code (_gil_enter), right after releasing the GIL, so the next rank takes an
+    uncontended GIL. Only a heuristic, never a lock: after GIL_LEAVE_NS (a holder blocked
+    elsewhere, or busy in long Python) the rank goes on without the turn, and a rank whose
+    wait did not complete (r != -1: the Python slow path follows) does not take it.
+    """
+    if turn_addr == 0 or r != -1:
+        return
+    until = monotonic_ns() + GIL_LEAVE_NS
+    polls = 0
+    while True:
+        v = load_acquire(turn_addr)
+        if v == me or (v == 0 and cas_acq_rel(turn_addr, 0, me)):
+            return
+        polls += 1
+        if (spins == 0 or polls % 64 == 0) and monotonic_ns() >= until:
+            return
+        if spins:
+            cpu_pause()
+        else:
+            sched_yield()
+
+
+@numba.njit(nogil=True, cache=True)
+def _exchange_steps(src, byte_offset, nbytes, dst, fp_addr, f0, f1, f2, f3, f4, f5, f6, f7,
+                    seq_addr, seq, posted_addr, step, peer_posted, peer_fp, peer_state,
+                    spins, yield_ns, abort_addr, verify):
+    """Copy-in and rules 1-4, nothing else.
+
+    Returns -1 when every peer posted `step` (and, with fp_addr != 0 and `verify`, every
+    fingerprint matched and no peer is ABORTED); -3 on a fingerprint mismatch, -4 on an aborted peer;
+    else wait_all_ge's code (a peer still missing after the fast tiers, or -2: aborted).
+    """
+    if nbytes > 0:
+        copy_bytes(dst, src.ctypes.data + byte_offset, nbytes)
+    if fp_addr != 0:  # rule 1: plain stores, published by the release store below
+        store_release(fp_addr, f0)
+        store_release(fp_addr + 8, f1)
+        store_release(fp_addr + 16, f2)
+        store_release(fp_addr + 24, f3)
+        store_release(fp_addr + 32, f4)
+        store_release(fp_addr + 40, f5)
+        store_release(fp_addr + 48, f6)
+        store_release(fp_addr + 56, f7)
+        store_release(seq_addr, seq)
+    post_wake(posted_addr, step)  # rule 2
+    r = wait_all_ge(peer_posted, step, spins, yield_ns, abort_addr)  # rule 3
+    if r != -1 or fp_addr == 0 or not verify:
+        return r
+    for k in range(peer_fp.shape[0]):  # rule 4
+        a = peer_fp[k]
+        if (load_acquire(a) != f0 or load_acquire(a + 8) != f1
+                or load_acquire(a + 16) != f2 or load_acquire(a + 24) != f3
+                or load_acquire(a + 32) != f4 or load_acquire(a + 40) != f5
+                or load_acquire(a + 48) != f6 or load_acquire(a + 56) != f7):
+            return -3
+    for k in range(peer_state.shape[0]):
+        if load_acquire(peer_state[k]) == STATE_ABORTED:
+            return -4
+    return -1
+
+
+@numba.njit(nogil=True, cache=True)
+def _stream_kernel(mode, src, byte_offset, nbytes, sub, k0, dst, fp_addr, f0, f1, f2, f3, f4,
+                   f5, f6, f7, seq_addr, seq, posted_addr, step0, peer_posted, peer_fp,
+                   peer_state, spins, yield_ns, abort_addr, verify, srcs, rank, fn, op, pre,
+                   post, out, gil_addr, gil_me):
+    """Arena._stream's body from sub-chunk k0 on: for each sub-chunk k, the
+    _exchange_kernel steps (posting step0 + k + 1; the fingerprint with sub-chunk 0), then
+    _consume. Returns (k, code): (count, -1) when all are done, else the sub-chunk whose
+    wait did not complete cleanly (posted, not consumed) and the wait code."""
+    nsub = max(1, (nbytes + sub - 1) // sub)
+    _gil_enter(gil_addr, gil_me)
+    for k in range(k0, nsub):
+        off = k * sub
+        ring = k % STREAM_RING * sub  # the sub-slot (see Arena._stream)
+        m = min(sub, nbytes - off)
+        r = _exchange_steps(src, byte_offset + off, m, dst + ring, fp_addr if k == 0 else 0,
+                            f0, f1, f2, f3, f4, f5, f6, f7, seq_addr, seq, posted_addr,
+                            step0 + k + 1, peer_posted, peer_fp, peer_state, spins, yield_ns,
+                            abort_addr, verify)
+        if r != -1:
+            _gil_leave(gil_addr, gil_me, r, spins)
+            return k, r
+        _consume(mode, src, byte_offset + off, m, srcs, ring, rank, fn, op, pre, post, out, off,
+                 nbytes)
+    _gil_leave(gil_addr, gil_me, _DONE, spins)
+    return nsub, -1
+
+
+@numba.njit(nogil=True, cache=True)
+def _two_shot_kernel(buf, size, sub, p0, dst, fp_addr, f0, f1, f2, f3, f4, f5, f6, f7,
+                     seq_addr, seq, posted_addr, step0, peer_posted, peer_fp, peer_state,
+                     spins, yield_ns, abort_addr, verify, srcs, rank, fn, op, pre, post,
+                     gil_addr, gil_me):
+    """Arena.exchange_reduce_two_shot's body from step p0 on: step 2k copies sub-chunk k
+    into its sub-slot (with the fingerprint at step 0), step 2k + 1 only posts; each step
+    waits for every peer, then _two_shot_consume. Returns (count, -1) when all are done,
+    else the step whose wait did not complete cleanly (posted, not consumed) and the code."""
+    nbytes = buf.nbytes
+    nphase = 2 * max(1, (nbytes + sub - 1) // sub)
+    _gil_enter(gil_addr, gil_me)
+    for p in range(p0, nphase):
+        k = p // 2
+        off = k * sub
+        m = min(sub, nbytes - off) if p % 2 == 0 else 0
+        r = _exchange_steps(buf, off, m, dst + k % STREAM_RING * sub, fp_addr if p == 0 else 0,
+                            f0, f1, f2, f3, f4, f5, f6, f7, seq_addr, seq, posted_addr,
+                            step0 + p + 1, peer_posted, peer_fp, peer_state, spins, yield_ns,
+                            abort_addr, verify)
+        if r != -1:
+            _gil_leave(gil_addr, gil_me, r, spins)
+            return p, r
+        _two_shot_consume(p, buf, size, sub, srcs, rank, fn, op, pre, post)
+    _gil_leave(gil_addr, gil_me, _DONE, spins)
+    return nphase, -1
+
+
+@numba.njit(nogil=True, cache=True)
+def _two_shot_consume(p, buf, size, sub, srcs, rank, fn, op, pre, post):
+    """The work after step p's wait (`buf`: bytes of `size`-byte elements). Even step
+    (sub-chunk k = p // 2 in every sub-slot): reduce my slice of it, in rank order, into
+    buf -- my own contribution read from buf, still in cache from the copy-in -- and
+    publish the result in my sub-slot. Odd step: copy every peer's reduced slice from its
+    sub-slot into buf."""
+    k = p // 2
+    off = k * sub
+    ring = k % STREAM_RING * sub
+    n = min(sub, buf.nbytes - off) // size
+    base = off // size
+    world = srcs.shape[0]
+    if p % 2 == 0:
+        lo, hi = n * rank // world, n * (rank + 1) // world
+        if hi > lo:
+            out = buf.ctypes.data + (base + lo) * size
+            call_reduce(fn, out, srcs.ctypes.data, world, ring + lo * size, rank,
+                        (hi - lo) * size, op, pre, post)
+            copy_bytes(srcs[rank] + ring + lo * size, out, (hi - lo) * size)
+        return
+    for j in range(world):
+        lo, hi = n * j // world, n * (j + 1) // world
+        if j != rank and hi > lo:
+            copy_bytes(buf.ctypes.data + (base + lo) * size, srcs[j] + ring + lo * size,
+                       (hi - lo) * size)
+
+
+@numba.njit(nogil=True, cache=True)
+def _consume(mode, src, byte_offset, nbytes, srcs, ring, rank, fn, op, pre, post, out,
+             out_offset, stride):
+    """Use every rank's copy of one sub-chunk (at srcs[j] + ring: their sub-slots, mine
+    included). STREAM_REDUCE: src[chunk] = the reduction (reducer `fn`) of every rank's
+    copy, in rank order, reading my own contribution from src itself rather than from my
+    sub-slot: the same bytes (I copied them there), but still in cache from the copy-in,
+    so only the peers' sub-slots cost a cross-core transfer (one read less per byte from
+    memory for large messages). STREAM_GATHER: rank j's copy goes to
+    out[j * stride + out_offset:][:nbytes]; mine straight from src, for the same reason."""
+    if mode == STREAM_REDUCE:
+        if nbytes > 0:
+            call_reduce(fn, src.ctypes.data + byte_offset, srcs.ctypes.data, srcs.shape[0],
+                        ring, rank, nbytes, op, pre, post)
+        return
+    base = out.ctypes.data + out_offset
+    for j in range(srcs.shape[0]):
+        if j == rank:
+            copy_bytes(base + j * stride, src.ctypes.data + byte_offset, nbytes)
+        else:
+            copy_bytes(base + j * stride, srcs[j] + ring, nbytes)
