@@ -35,7 +35,6 @@ __all__ = [
     "monotonic_ns",
     "copy_bytes",
     "fence_seq_cst",
-    "add_seq_cst",
     "futex_wait",
     "futex_wake",
     "HAVE_FUTEX",
@@ -108,18 +107,6 @@ def cas_acq_rel(typingctx, addr, expected, value):
         pair = builder.cmpxchg(_i64_ptr(builder, args[0]), args[1], args[2], "acq_rel",
                                "acquire")
         return builder.extract_value(pair, 1)
-
-    return sig, codegen
-
-
-@intrinsic
-def add_seq_cst(typingctx, addr, value):
-    """Atomic fetch-add (seq_cst) of `value` at `addr`; returns the new value."""
-    sig = types.int64(types.int64, types.int64)
-
-    def codegen(context, builder, signature, args):
-        old = builder.atomic_rmw("add", _i64_ptr(builder, args[0]), args[1], "seq_cst")
-        return builder.add(old, args[1])
 
     return sig, codegen
 

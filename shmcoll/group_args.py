@@ -56,3 +56,14 @@ def _code_of(array):
         return dtype_of(array).code
     except TypeError:
         return 0
+
+
+def _all_to_all_args(world_size, outs, ins):
+    """all_to_all's checked arguments (the engine's and the hierarchical group's): the
+    inputs as contiguous bytes, and a _Flat of every output (write_back() after the call)."""
+    if len(ins) != world_size or len(outs) != world_size:
+        raise ValueError(f"all_to_all: expected {world_size} inputs and outputs, got "
+                         f"{len(ins)} and {len(outs)}")
+    _check_arrays("all_to_all", list(outs) + list(ins), same_dtype=True)
+    return ([_bytes(np.ascontiguousarray(a)) for a in ins],
+            [_Flat(o, o.dtype, copy_in=False) for o in outs])

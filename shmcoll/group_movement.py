@@ -8,7 +8,7 @@ the Group's plumbing (_run, _run_one_step, _plan, _select, _root in group.py).
 
 import numpy as np
 
-from .group_args import _bytes, _check_arrays, _code_of, _Flat, _shape
+from .group_args import _all_to_all_args, _bytes, _check_arrays, _code_of, _Flat, _shape
 
 
 class MovementMixin:
@@ -120,12 +120,7 @@ class MovementMixin:
     def all_to_all(self, outs, ins, timeout_s=None):
         """outs[j] receives rank j's ins[rank]; sizes may differ per pair (must agree)."""
         self._usable("all_to_all")
-        if len(ins) != self.world_size or len(outs) != self.world_size:
-            raise ValueError(f"all_to_all: expected {self.world_size} inputs and outputs, got "
-                             f"{len(ins)} and {len(outs)}")
-        _check_arrays("all_to_all", list(outs) + list(ins), same_dtype=True)
-        src = [_bytes(np.ascontiguousarray(a)) for a in ins]
-        flats = [_Flat(o, o.dtype, copy_in=False) for o in outs]
+        src, flats = _all_to_all_args(self.world_size, outs, ins)
         self._run("all_to_all", (_code_of(outs[0]) if outs else 0, 0, 0, 0),
                   _local_all_to_all if self._arena is None else self._select("all_to_all", 0),
                   src, [_bytes(f.flat) for f in flats], timeout_s=timeout_s,

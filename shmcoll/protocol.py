@@ -69,7 +69,7 @@ Rules (each rank, for every collective, in the same order on every rank):
    -> GroupAbortedError; the deadline -> CollectiveTimeoutError listing the missing ranks
    and their last seq. Each sleep is a futex wait on the first missing peer's POSTED,
    bounded by the sleep's length, so the peer's post ends it at once: the sleeper adds 1
-   to the peer's SLEEPERS (seq_cst), re-reads POSTED and sleeps only if it is still below
+   to the peer's SLEEPERS and fences, re-reads POSTED and sleeps only if it is still below
    the target (the kernel re-checks that value atomically), then subtracts 1; every post
    is store_release(POSTED), a full fence, and a futex wake if SLEEPERS is non-zero. The
    fences on both sides make at least one side see the other's store, so a sleeper is

@@ -16,7 +16,7 @@ import numba
 import numpy as np
 
 from . import jit
-from .atomics import add_seq_cst, cas_acq_rel, copy_bytes, cpu_pause, fence_seq_cst, \
+from .atomics import add_release, cas_acq_rel, copy_bytes, cpu_pause, fence_seq_cst, \
     futex_wait, futex_wake, load_acquire, monotonic_ns, sched_yield, store_release, wait_all_ge
 from .kernels import call_reduce
 from .protocol_layout import CTRL_LINES, FP_RING, FP_WORDS, LINE_NBYTES, LINE_WORDS, \
@@ -135,12 +135,12 @@ def post_wake(posted_addr, step):
 def sleep_on(posted_addr, target, timeout_ns):
     """The sleeper's half of rule 5: sleep at most `timeout_ns` unless the POSTED word at
     `posted_addr` (a peer's) reaches `target`; its post wakes us at once."""
-    add_seq_cst(posted_addr + _SLEEPERS_DELTA, 1)
+    add_release(posted_addr + _SLEEPERS_DELTA, 1)
     fence_seq_cst()
     seen = load_acquire(posted_addr)
     if seen < target:
         futex_wait(posted_addr, seen, timeout_ns)
-    add_seq_cst(posted_addr + _SLEEPERS_DELTA, -1)
+    add_release(posted_addr + _SLEEPERS_DELTA, -1)
 
 
 @numba.njit(nogil=True, cache=True)

@@ -6,6 +6,7 @@ rank, consumes no sequence number and leaves the group usable."""
 import numpy as np
 
 from ..group import Group, _bytes, _check_arrays, _code_of, _Flat, _shape
+from ..group_args import _all_to_all_args
 from ..ops import ReduceOp, dtype_of, reduce_spec
 from . import move, reduce
 
@@ -145,12 +146,7 @@ class Collectives:
     def all_to_all(self, outs, ins, timeout_s=None):
         """outs[j] receives rank j's ins[rank]; sizes may differ per pair (must agree)."""
         self._usable("all_to_all")
-        if len(ins) != self.world_size or len(outs) != self.world_size:
-            raise ValueError(f"all_to_all: expected {self.world_size} inputs and outputs, got "
-                             f"{len(ins)} and {len(outs)}")
-        _check_arrays("all_to_all", list(outs) + list(ins), same_dtype=True)
-        src = [_bytes(np.ascontiguousarray(a)) for a in ins]
-        flats = [_Flat(o, o.dtype, copy_in=False) for o in outs]
+        src, flats = _all_to_all_args(self.world_size, outs, ins)
         self.run("all_to_all", (_code_of(outs[0]) if outs else 0, 0, 0, 0, 0),
                  move.all_to_all,
                  [_bytes(f.flat) for f in flats], src, timeout_s=timeout_s,
