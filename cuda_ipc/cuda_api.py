@@ -182,7 +182,8 @@ class Api:
                 fix = ("stream memory operations are not supported by this driver or "
                        "platform (they need CUDA 12+; older drivers: NVreg_EnableStreamMemOPs=1)")
             raise DeviceError(f"cuda_ipc: {what} failed: CUDA driver error {code} "
-                              f"({self.error_text(code, driver=True)})" + (f"; {fix}" if fix else ""))
+                              f"({self.error_text(code, driver=True)})"
+                              + (f"; {fix}" if fix else ""))
 
     # -- queries --------------------------------------------------------------------------
 

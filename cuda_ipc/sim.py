@@ -164,7 +164,8 @@ class SimDevice:
         self._default = self.new_stream("default")
 
     def describe(self):
-        return f"simulated device {self.index} ({'async' if self._asynchronous else 'inline'} streams)"
+        streams = "async" if self._asynchronous else "inline"
+        return f"simulated device {self.index} ({streams} streams)"
 
     # -- streams ---------------------------------------------------------------------------
 

@@ -79,7 +79,8 @@ class ReduceMixin:
         dt = dtype_of(array, dtype)
         spec = reduce_spec(op, dt, self.world_size, "reduce", premul)
         f = _Flat(array, dt.storage)
-        algo = _local_reduce_rooted if self._arena is None else self._select("reduce", f.flat.nbytes)
+        algo = _local_reduce_rooted if self._arena is None else \
+            self._select("reduce", f.flat.nbytes)
         self._run("reduce", (dt.code, f.flat.size, root, int(op), _shape(array)), algo,
                   f.flat, root, spec, timeout_s=timeout_s, nbytes=f.flat.nbytes)
         if self.rank == root:

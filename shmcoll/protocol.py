@@ -89,8 +89,9 @@ the fingerprints, so they interleave freely with collectives; their rules are in
 Memory ordering: POSTED is the only synchronizing word of collectives; it is written with a
 release store and read with an acquire load (atomics.py), so data and fingerprint stores
 before a post happen-before a peer's reads after its wait. STATE is advisory (abort/close
-notification), read on the slow path and once per collective at the fingerprint check. Peers' regions are input, not truth: the header is
-validated on attach (shm.py) and fingerprints are compared, never used as lengths.
+notification), read on the slow path and once per collective at the fingerprint check.
+Peers' regions are input, not truth: the header is validated on attach (shm.py) and
+fingerprints are compared, never used as lengths.
 
 Where the code is: this module holds the Arena's core (framing, slots, post/wait, lifecycle)
 and re-exports the names of the others: protocol_layout.py (the numbers of the layout above,

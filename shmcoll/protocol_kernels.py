@@ -47,8 +47,9 @@ def warm_up():
 
 # The protocol kernels, in sets compiled on first use (jit.once), with exactly the argument
 # types Arena passes. They move bytes, so one compilation serves every dtype (a reduction
-# is a call through ops.ReduceSpec.fn). An Arena loads the one-step kernel when it is made (a group's warm-up does it earlier, during the rendezvous); the others
-# load when a collective first needs them (cold: 0.1-0.4 s each, 2-core VM).
+# is a call through ops.ReduceSpec.fn). An Arena loads the one-step kernel when it is made
+# (a group's warm-up does it earlier, during the rendezvous); the others load when a
+# collective first needs them (cold: 0.1-0.4 s each, 2-core VM).
 
 def _dummies():
     """Arguments that make each kernel return at once (no peers, nothing to move). `words`
@@ -259,8 +260,8 @@ def _exchange_steps(src, byte_offset, nbytes, dst, fp_addr, f0, f1, f2, f3, f4, 
     """Copy-in and rules 1-4, nothing else.
 
     Returns -1 when every peer posted `step` (and, with fp_addr != 0 and `verify`, every
-    fingerprint matched and no peer is ABORTED); -3 on a fingerprint mismatch, -4 on an aborted peer;
-    else wait_all_ge's code (a peer still missing after the fast tiers, or -2: aborted).
+    fingerprint matched and no peer is ABORTED); -3 on a fingerprint mismatch, -4 on an
+    aborted peer; else wait_all_ge's code (a peer still missing after the fast tiers, or -2: aborted).
     """
     if nbytes > 0:
         copy_bytes(dst, src.ctypes.data + byte_offset, nbytes)

@@ -35,10 +35,10 @@ from .single_copy import errno_text
 # time slice (loaded host). Only then does Python take over (_wait_slow): sleeps with
 # backoff up to SLEEP_MAX_S, checking deadline, abort and peer liveness in between; each
 # sleep is a futex wait that the awaited peer's post ends at once (rule 5), or, without
-# futexes, a plain sleep followed by SLOW_YIELD_NS of yield-polling. Staying compiled for the whole yield
-# tier matters most for rank threads (threaded_pg): a waiting thread back in Python takes
-# the GIL from the very peer it waits for (measured: one Python slow wait per collective
-# made 2-thread dist.all_reduce ~5x slower).
+# futexes, a plain sleep followed by SLOW_YIELD_NS of yield-polling. Staying compiled for
+# the whole yield tier matters most for rank threads (threaded_pg): a waiting thread back
+# in Python takes the GIL from the very peer it waits for (measured: one Python slow wait
+# per collective made 2-thread dist.all_reduce ~5x slower).
 SPINS = 200
 YIELD_NS = 2_000_000
 SLOW_YIELD_NS = 100_000
