@@ -39,7 +39,7 @@ from shmcoll.hier.reduce import HIER_SHARD_MIN_NBYTES as SHARD_MIN
 from shmcoll.hier.move import ALL_GATHER_SPLIT_MIN_NBYTES as SPLIT_MIN
 from shmcoll.hier.reduce import RS_MIN_NBYTES as RS_MIN
 
-__all__ = ["fit_line", "predict_hier", "predict_ring", "main"]
+__all__ = ["fit_line", "predict_cluster", "main"]
 
 
 def _rows(path):
@@ -79,35 +79,9 @@ def _interp(curve, nbytes):
     return a + b * nbytes
 
 
-def exchange_us(nodes, s, a, per_byte):
-    """x(N, s) in us (per_byte: us per byte a channel moves)."""
-    return a + (nodes - 1) * s * per_byte
-
-
-def predict_hier(op, nodes, local, nbytes, intra, a, per_byte):
-    """Model time (us) of hierarchical `op`; intra(op, nbytes) -> us at `local` ranks."""
-    if op == "all_reduce":
-        s = nbytes / local if (local > 1 and nbytes >= SHARD_MIN) else nbytes
-        if nodes >= 3 and s >= RS_MIN:
-            x = 2 * a + 2 * (nodes - 1) / nodes * s * per_byte
-        else:
-            x = exchange_us(nodes, s, a, per_byte)
-        return intra("all_reduce", nbytes) + x
-    per_rank = nbytes / (nodes * local)
-    if local > 1 and per_rank >= SPLIT_MIN:
-        return max(a, intra("all_gather", nbytes / nodes)) + \
-            (nodes - 1) * per_rank * per_byte + intra("all_gather", nbytes * (nodes - 1) / nodes)
-    return intra("all_gather", nbytes / nodes) + exchange_us(nodes, per_rank, a, per_byte)
-
-
-def predict_ring(op, world, nbytes, g, per_byte):
-    steps = 2 * (world - 1) if op == "all_reduce" else world - 1
-    return steps * (g + nbytes / world * per_byte)
-
-
 # Assumed clusters for predictions (not measured here; docs/MULTINODE.md says why each):
 # us, bytes/us. "cpu": 25 GbE, one NIC per node shared by its L channels, gloo over TCP,
-# this engine inside an 8-core node. "gpu": NVLink inside a node (cuda_ipc, not written yet),
+# this engine inside an 8-core node. "gpu": NVLink inside a node (cuda_ipc),
 # one 200 Gb/s NIC per local rank, NCCL between nodes (the untested seam).
 CLUSTERS = {
     "cpu": dict(a=30.0, o=5.0, b_link=3.1e3, per_rank_nic=False, a_in=20.0, b_in=5e3,

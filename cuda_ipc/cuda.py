@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from .cuda_api import STREAM_WAIT_VALUE_GEQ, \
-    STREAM_WRITE_VALUE_DEFAULT, Api, IpcMemHandle, probe_stream_memops
+    STREAM_WRITE_VALUE_DEFAULT, Api, IpcMemHandle, poll, probe_stream_memops
 from .device import Allocation, DeviceError, Mapping
 
 __all__ = ["CudaDevice", "outstanding"]
@@ -131,13 +131,7 @@ class CudaDevice:
                 ev = torch.cuda.Event()
                 ev.record(s)
                 events.append(ev)
-        sleep_s = 1e-5
-        while not all(ev.query() for ev in events):
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(sleep_s)
-            sleep_s = min(sleep_s * 2, 1e-3)
-        return True
+        return poll(lambda: all(ev.query() for ev in events), deadline - time.monotonic())
 
     def close(self):
         pass

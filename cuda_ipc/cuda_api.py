@@ -31,7 +31,7 @@ import numpy as np
 
 from .device import DeviceError, read_word, write_word
 
-__all__ = ["Api", "IpcMemHandle", "IPC_HANDLE_NBYTES", "probe_stream_memops",
+__all__ = ["Api", "IpcMemHandle", "IPC_HANDLE_NBYTES", "probe_stream_memops", "poll",
            "HOST_REGISTER_FLAGS", "ATTR_CAN_MAP_HOST_MEMORY", "ATTR_UNIFIED_ADDRESSING",
            "ATTR_HOST_REGISTER_SUPPORTED"]
 
@@ -307,7 +307,7 @@ def probe_stream_memops(api, ctx, stream, device, timeout_s=10.0, settle_s=0.01)
         last = (host_addr, value)
     try:
         enqueue_write(c, dc, 7)
-        if not _poll(lambda: read_word(c) == 7, timeout_s):
+        if not poll(lambda: read_word(c) == 7, timeout_s):
             raise DeviceError(
                 f"cuda_ipc: a stream's cuStreamWriteValue32 into registered shared host memory "
                 f"did not arrive within {timeout_s:.0f} s (the word reads {read_word(c)}); the "
@@ -322,14 +322,14 @@ def probe_stream_memops(api, ctx, stream, device, timeout_s=10.0, settle_s=0.01)
                 "stream: waits would not order the ranks (a driver or platform bug); "
                 "collectives on CUDA tensors are unsafe here")
         write_word(a, 5)
-        if not _poll(lambda: read_word(b) == 9, timeout_s):
+        if not poll(lambda: read_word(b) == 9, timeout_s):
             raise DeviceError(
                 f"cuda_ipc: a stream waiting with cuStreamWaitValue32 on registered shared "
                 f"host memory did not see the host's store within {timeout_s:.0f} s; the flag "
                 f"protocol cannot work on this platform")
     finally:
         write_word(a, 5)  # whatever failed, nothing stays waiting on this word
-        drained = last is None or _poll(lambda: read_word(last[0]) == last[1],
+        drained = last is None or poll(lambda: read_word(last[0]) == last[1],
                                         min(timeout_s, 2.0))
         code = 0
         if drained:
@@ -341,7 +341,9 @@ def probe_stream_memops(api, ctx, stream, device, timeout_s=10.0, settle_s=0.01)
     api.check("cudaHostUnregister", code)
 
 
-def _poll(cond, timeout_s):
+def poll(cond, timeout_s):
+    """Wait until cond() holds, at most `timeout_s`, sleeping 10 us doubling to 1 ms
+    between checks; False if it never held."""
     deadline = time.monotonic() + timeout_s
     sleep_s = 1e-5
     while not cond():

@@ -123,13 +123,15 @@ def _all_gather_split(call, src, out, step):
             out[r * n:(r + 1) * n] = node_buf[l * n:(l + 1) * n]
     call.finish_frame(early, step + " (first round)")
     others = [m for m in range(members) if m != me]
-    direct = members == 2 and _node_block(g, out, others[0], n) is not None
-    r_other = layout.rank_of(others[0], g.local)
-    recv = out[r_other * n:(r_other + 1) * n] if direct else \
-        g.scratch("recv", (members - 1) * n)
+    far = _node_block(g, out, others[0], n) if members == 2 else None
+    direct = far is not None
+    if direct:
+        r_other = layout.rank_of(others[0], g.local)
+        recv = out[r_other * n:(r_other + 1) * n]
+    else:
+        recv = g.scratch("recv", (members - 1) * n)
+        far = g.scratch("far", nlocal * (members - 1) * n)
     call.move(step, g.channel.exchange, recv, src)
-    far = _node_block(g, out, others[0], n) if direct else \
-        g.scratch("far", nlocal * (members - 1) * n)
     call.intra("intra-node all-gather of the other nodes' blocks", g.intra.all_gather, far,
                recv)
     if not direct:
