@@ -125,19 +125,23 @@ def _many_blocked_callbacks(rank, world_size):
     """Eight callbacks blocked at once, each waiting for a collective queued behind its own
     job on the same group (issued by the main thread, so every rank sees one order): each
     blocked callback holds a worker thread, and helper workers must keep the queue moving
-    for the main thread's later synchronous call and for the callbacks' own waits."""
-    ready = threading.Event()
+    for the main thread's later synchronous call and for the callbacks' own waits.
+    Each callback hangs on its all_reduce and on a gate the main thread opens once the
+    nested operations exist: a callback on an operation that already finished would
+    otherwise run at registration, on the main thread, before there is anything to wait
+    for (seen in CI: it waited FAST_S for an event only that thread would set)."""
+    gate = torch.futures.Future()
     nested = []
 
     def cb(f, i):
-        assert ready.wait(FAST_S)
         return nested[i].wait()[0].sum().item()
 
-    futs = [dist.all_reduce(torch.ones(1), async_op=True).get_future().then(
-        lambda f, i=i: cb(f, i)) for i in range(8)]
+    futs = [torch.futures.collect_all([dist.all_reduce(torch.ones(1), async_op=True)
+                                       .get_future(), gate]).then(lambda f, i=i: cb(f, i))
+            for i in range(8)]
     nested.extend(dist.all_reduce(torch.full((2,), float(i)), async_op=True).get_future()
                   for i in range(8))
-    ready.set()
+    gate.set_result(None)
     t = torch.ones(4)
     dist.all_reduce(t)
     return [f.wait() for f in futs], t.tolist()
@@ -326,3 +330,43 @@ def test_jobs_with_futures_are_freed():
     for before, after in threaded_pg.spawn(_jobs_freed, 2):
         # a few may still be held by the executor between calls; a leak keeps all 200
         assert after <= before + 20, (before, after)
+
+
+def test_stop_ends_callbacks_that_wait_for_aborted_jobs():
+    """A group shut down while executed operations' callbacks wait for later operations
+    that never ran (the pattern of test_many_blocked_callbacks when a rank fails early):
+    the later ones fail as aborted, every callback's wait ends, and stop() returns. The
+    stopping thread once completed the jobs itself, blocked in the second callback, and
+    nothing completed the aborted jobs that would have ended both waits (a hang in
+    destroy_process_group, seen once in CI)."""
+    from shmcoll.torch_backend.executor import Executor
+    from shmcoll.torch_backend.work import Job
+
+    ex = Executor("stop-test")
+    later = [Job(f"later{i}", lambda: None, []) for i in range(3)]
+    ended = []
+
+    def callback(i):
+        try:
+            later[i].future.wait()
+        except Exception as e:  # the abort error: the wait ended
+            ended.append((i, str(e)))
+
+    first = [Job(f"first{i}", lambda: None, []) for i in range(3)]
+    for i, job in enumerate(first):
+        job.future.then(lambda f, i=i: callback(i))
+    with ex._cv:  # executed, not completed; the later ones queued: as at a shutdown
+        for job in first:
+            job.execute()
+            ex._completions.append(job)
+        ex._queue.extend(later)
+        ex._stopped = True  # the worker takes no queued job, only completions
+    done = threading.Event()
+    threading.Thread(target=lambda: (ex.stop(join_timeout_s=10.0), done.set()),
+                     daemon=True).start()
+    assert done.wait(FAST_S), "stop() did not return"
+    deadline = time.monotonic() + FAST_S
+    while len(ended) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sorted(i for i, _ in ended) == [0, 1, 2], ended
+    assert all("pending work aborted" in text for _, text in ended), ended

@@ -20,7 +20,9 @@ no timeout). So:
   completes the jobs after it, in order, while the first one stays in its callback (so
   futures always complete in issue order; callbacks keep it unless one blocks);
 - a worker inside a completion is not free; whenever work is waiting and no worker is
-  free, a helper worker starts (it ends after HELPER_IDLE_S without work).
+  free, a helper worker starts (it ends after HELPER_IDLE_S without work);
+- at stop(), queued jobs fail as aborted and what is left is completed by drainer
+  threads, one more each time the last one is stuck, never by the stopping thread.
 
 So a callback that waits for a later job (by its future, a Work, or torch.futures.wait_all)
 always has a thread that executes it and one that completes it, and a job that cannot
@@ -67,6 +69,7 @@ class Executor:
         self._completing = None  # the job it completes now
         self._completing_since = 0.0  # when it began that job
         self._nested = False  # the completer issued work from inside a callback
+        self._drain_started = float("-inf")  # when stop() last started a drainer
         self._stopped = False
         self.inline_busy = False  # a synchronous op is running on a caller's thread
         self._stop_reason = "shut down"
@@ -261,6 +264,19 @@ class Executor:
             self._complete_in_order()
         return True
 
+    def _start_drainer(self):
+        """Start a thread (holding _cv) that completes the jobs left at stop() in order,
+        taking over a stuck completer. Not the stopping thread itself: a callback that
+        waits for a later job (whose abort is queued behind it) blocks whichever thread
+        completes it, so every blocked callback gets its own thread, and the next one
+        completes the jobs after it, which ends those waits."""
+        self._drain_started = time.monotonic()  # one drainer per grace period
+
+        def drain():
+            self._thread_init()
+            self._complete_in_order(steal=True)
+        threading.Thread(target=drain, daemon=True, name=f"shmcoll-{self._name}-drain").start()
+
     def _thread_init(self):
         """First thing every worker thread does; subclasses bind thread state here."""
 
@@ -330,10 +346,12 @@ class Executor:
             if idle:
                 self._running.release()
         deadline = time.monotonic() + join_timeout_s
-        while True:  # the workers complete what is left, or this thread takes over
-            self._complete_in_order(steal=True)
+        while True:  # what is left is completed by a drainer thread, not by this one
             with self._cv:
                 left = bool(self._completions)
+                if left and (self._completer is None or self._stuck()) and \
+                        time.monotonic() - self._drain_started > self.COMPLETION_GRACE_S:
+                    self._start_drainer()
             if not left or time.monotonic() > deadline:
                 break
             time.sleep(self._RETRY_S)
