@@ -10,6 +10,7 @@ Everything operates on raw int64 addresses (from `ndarray.ctypes.data`) so one c
 function serves every segment, every rank count and the in-process arena alike.
 """
 
+import ctypes
 import platform
 import sys
 import time
@@ -38,6 +39,7 @@ __all__ = [
     "futex_wait",
     "futex_wake",
     "HAVE_FUTEX",
+    "wake_sleepers",
     "read_acquire",
     "write_release",
     "warm_up",
@@ -321,6 +323,24 @@ def read_acquire(addr):
 def write_release(addr, value):
     """Python-callable release store of `value` into the int64 at `addr`."""
     store_release(addr, value)
+
+
+_syscall = None
+
+
+def wake_sleepers(addr):
+    """Python-callable futex_wake at `addr` (through ctypes: nothing to compile), for rare
+    events such as an abort; a no-op where HAVE_FUTEX is False."""
+    global _syscall
+    if not HAVE_FUTEX:
+        return 0
+    if _syscall is None:
+        fn = ctypes.CDLL(None, use_errno=True).syscall
+        fn.restype = ctypes.c_long
+        fn.argtypes = (ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)
+        _syscall = fn
+    return _syscall(_SYS_FUTEX, addr, _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
 
 
 def _warm_up():

@@ -73,7 +73,8 @@ Rules (each rank, for every collective, in the same order on every rank):
    the target (the kernel re-checks that value atomically), then subtracts 1; every post
    is store_release(POSTED), a full fence, and a futex wake if SLEEPERS is non-zero. The
    fences on both sides make at least one side see the other's store, so a sleeper is
-   never missed; the bound makes even a missed wake cost no more than the sleep did.
+   never missed. A STATE change (abort, close) wakes the sleepers on every POSTED word of
+   the group, so only a peer that dies is seen no sooner than the sleep's bound.
 6. Slot reuse: a rank reads a peer's slot only between wait_all(t) and its own next post. A
    slot published at step s (last written before post s) is therefore free again once every
    peer has posted s + 1; claim(i) waits for that. Slots rotate in claim order, which is the
@@ -106,7 +107,7 @@ import time
 import numpy as np
 
 from . import jit
-from .atomics import read_acquire, write_release
+from .atomics import read_acquire, wake_sleepers, write_release
 from .atomics import warm_up as atomics_warm_up
 from .protocol_drivers import DriverMixin
 from .protocol_kernels import (  # noqa: F401  (re-exported: tests, warmup.py, algorithms)
@@ -430,6 +431,7 @@ class Arena(DriverMixin, WaitMixin):
     def set_state(self, state):
         """Announce abort/close to peers (and wake my own waiter on abort)."""
         write_release(self._state_addr, state)
+        self._wake_sleepers()
 
     def abort_at(self, seq):
         """Announce that I failed collective `seq`: SEQ first, then STATE = ABORTED, so a
@@ -437,6 +439,14 @@ class Arena(DriverMixin, WaitMixin):
         the collective's first post would otherwise leave SEQ at the previous one."""
         write_release(self._seq_addr, seq)
         write_release(self._state_addr, STATE_ABORTED)
+        self._wake_sleepers()
+
+    def _wake_sleepers(self):
+        """After a STATE change (rule 5): wake the peers asleep on my POSTED, so they see it
+        now, and whoever sleeps on a peer's (my own waiter among them, when another thread
+        aborts): a sleeper woken for nothing re-checks and sleeps again."""
+        for addr in self._posted_addrs:
+            wake_sleepers(addr)
 
     def is_peer_alive(self, peer):
         return self._is_alive(peer)

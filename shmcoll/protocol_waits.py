@@ -33,9 +33,10 @@ from .single_copy import errno_text
 # the core still goes to whoever needs it when ranks outnumber cores. The yield tier is
 # bounded by time, not by a count: sched_yield takes from under 1 us (idle core) to a whole
 # time slice (loaded host). Only then does Python take over (_wait_slow): sleeps with
-# backoff up to SLEEP_MAX_S, checking deadline, abort and peer liveness in between; each
-# sleep is a futex wait that the awaited peer's post ends at once (rule 5), or, without
-# futexes, a plain sleep followed by SLOW_YIELD_NS of yield-polling. Staying compiled for
+# backoff, checking deadline, abort and peer liveness in between; each sleep is a futex
+# wait that the awaited peer's post (or any STATE change) ends at once (rule 5), from
+# FUTEX_SLEEP_MIN_S doubling to FUTEX_SLEEP_MAX_S, or, without futexes, a plain sleep from
+# SLEEP_MIN_S to SLEEP_MAX_S followed by SLOW_YIELD_NS of yield-polling. Staying compiled for
 # the whole yield tier matters most for rank threads (threaded_pg): a waiting thread back
 # in Python takes the GIL from the very peer it waits for (measured: one Python slow wait
 # per collective made 2-thread dist.all_reduce ~5x slower).
@@ -44,6 +45,13 @@ YIELD_NS = 2_000_000
 SLOW_YIELD_NS = 100_000
 SLEEP_MIN_S = 20e-6
 SLEEP_MAX_S = 1e-3
+# A futex sleep's bound only decides how often a sleeper wakes for nothing, to look at the
+# deadline and peer liveness: every wake up costs the CPU that oversubscribed ranks need.
+# benchmarks/hier_ab.py, 2 namespaced hosts x 2 ranks on the 2-core VM, all_reduce, time
+# over 20 us doubling to 1 ms (20 blocks, two runs): 1 ms to 8 ms: 8 B 0.84-0.92, 512 B
+# 0.87-0.97, 4 KiB 0.88-0.89; 1 ms flat 0.88-0.98; 200 us to 4 ms 0.92-0.99.
+FUTEX_SLEEP_MIN_S = 1e-3
+FUTEX_SLEEP_MAX_S = 8e-3
 
 
 class WaitMixin:
@@ -53,25 +61,28 @@ class WaitMixin:
         """The compiled tiers ran out (or saw my abort word): sleep with backoff, checking
         abort, peer liveness and the deadline before every sleep."""
         jit.once(_EXCHANGE, _warm_exchange)  # wait_all_ge, called from Python below
-        sleep_s = SLEEP_MIN_S
+        futex = HAVE_FUTEX and r >= 0
+        sleep_s, sleep_max = (FUTEX_SLEEP_MIN_S, FUTEX_SLEEP_MAX_S) if futex else \
+            (SLEEP_MIN_S, SLEEP_MAX_S)
         while True:
             if r == -2 or self._mine[W_STATE * LINE_WORDS] != STATE_LIVE:
                 raise GroupAbortedError(
                     f"{self._op_name}: rank {self.rank} aborted while waiting at seq {self._seq}")
             self._check_peers(target)
-            if time.monotonic() > self._deadline:
+            left = self._deadline - time.monotonic()
+            if left < 0:
                 raise self._timeout_error(target)
-            if HAVE_FUTEX and r >= 0:
+            if futex:
                 # asleep until the first missing peer posts (rule 5), then one look: no
                 # yield-polling after it, which only burns the cores an oversubscribed
                 # machine's other ranks need (2 namespaced hosts x 2 ranks, 8 B all_reduce,
                 # A/B in one run: 0.80-0.96x the time of 100 us of yield-polling per sleep)
-                sleep_on(self._peer_posted[r], target, int(sleep_s * 1e9))
+                sleep_on(self._peer_posted[r], target, int(min(sleep_s, left + 1e-4) * 1e9))
                 yield_ns = 0
             else:
                 time.sleep(sleep_s)
                 yield_ns = SLOW_YIELD_NS
-            sleep_s = min(sleep_s * 2, SLEEP_MAX_S)
+            sleep_s = min(sleep_s * 2, sleep_max)
             r = wait_all_ge(self._peer_posted, target, 0, yield_ns, self._state_addr)
             if r == -1:
                 return

@@ -281,3 +281,39 @@ def test_sleep_on_a_word_already_there_returns_at_once():
     sleep_on(posted, 5, 5_000_000_000)  # 5 s bound, but POSTED is past the target
     assert time.monotonic() - t0 < 1.0
     assert words[sleepers] == 0
+
+
+@pytest.mark.skipif(not __import__("shmcoll.atomics").atomics.HAVE_FUTEX,
+                    reason="no futex on this platform (sleeps are plain sleeps there)")
+@pytest.mark.parametrize("who", ["own_abort", "peer_abort", "peer_close"])
+def test_a_state_change_wakes_a_sleeping_wait_at_once(monkeypatch, who):
+    """Rule 5: an abort or close wakes the sleepers, so with sleeps bounded at 30 s a rank
+    asleep in its slow wait for a peer's post still fails at once when another thread
+    aborts its own group, or when the peer aborts or closes."""
+    from shmcoll import protocol, protocol_waits
+    from shmcoll.errors import GroupAbortedError, PeerLostError
+    monkeypatch.setattr(protocol_waits, "FUTEX_SLEEP_MIN_S", 30.0)
+    monkeypatch.setattr(protocol_waits, "FUTEX_SLEEP_MAX_S", 30.0)
+    layout = protocol.RegionLayout(4096, 2)
+    regions = [np.zeros(layout.nbytes, np.uint8) for _ in range(2)]
+    a0, a1 = [protocol.Arena(regions, r, layout, lambda p: True) for r in range(2)]
+    fp = (1,)
+    for a in (a0, a1):
+        a.begin(1, "barrier", fp, 60.0)
+    a0._write_fp()
+    a0.post()
+    change = {"own_abort": lambda: a0.abort_at(1), "peer_abort": lambda: a1.abort_at(1),
+              "peer_close": lambda: a1.set_state(protocol.STATE_CLOSED)}[who]
+
+    def later():
+        time.sleep(0.5)  # rank 0 is asleep by then (its yield tier lasts YIELD_NS)
+        change()
+
+    t = threading.Thread(target=later)
+    t.start()
+    t0 = time.monotonic()
+    with pytest.raises((GroupAbortedError, PeerLostError)):
+        a0.wait_all()
+    took = time.monotonic() - t0
+    t.join()
+    assert took < 10.0, took  # woken by the change, not by the 30 s bound
