@@ -21,8 +21,10 @@ from shmcoll import atomics, jit, kernels, p2p_cells, protocol_kernels, single_c
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Compiles the first-collective kernels and two reducers, recording what this process
-# compiled itself (numba's compile events; a reducer it compiled has no cache hit).
+# Compiles the first-collective kernels and two reducers, recording which of ours this process
+# compiled itself (numba's compile events; a reducer it compiled has no cache hit). numba's
+# own overloads (np.empty, min...) are left out: they are compiled inside whichever kernel
+# uses them, in each process that compiles such a kernel, and never cached on their own.
 _WORKER = textwrap.dedent("""
     import json, os, sys, time
     import numpy as np
@@ -34,7 +36,9 @@ _WORKER = textwrap.dedent("""
             pass
 
         def on_end(self, ev):
-            compiled.append(ev.data["dispatcher"].py_func.__qualname__)
+            fn = ev.data["dispatcher"].py_func
+            if fn.__module__.startswith("shmcoll"):
+                compiled.append(fn.__qualname__)
 
     event.register("numba:compile", Record())
     from shmcoll import kernels, warmup
