@@ -9,9 +9,10 @@ PREMUL_SUM multiplies every rank's input before the node sum. So for float SUM a
 of 2 ranks: ((x0 + x1) + (x2 + x3)), rounded to the dtype after each level.
 
 Algorithms (all sizes are per rank):
-- leaders (small, or nodes of unequal sizes): intra-node reduce to local rank 0; the
-  leaders exchange their node's partial and each reduces all of them; intra-node
-  broadcast. Only one rank per node talks to other nodes.
+- leaders (small, or nodes of unequal sizes): intra-node reduce to local rank 0 (an
+  intra-node all_reduce up to INTRA_ALL_REDUCE_MAX_NBYTES); the leaders exchange their
+  node's partial and each reduces all of them; intra-node broadcast. Only one rank per
+  node talks to other nodes.
 - sharded (nodes of equal size L > 1, from shard_min_nbytes): intra-node reduce-scatter
   (local rank l holds shard l of the node's partial); local rank l of every node exchanges
   shard l over channel l (L exchanges in parallel, 1/L of the bytes each); intra-node
@@ -39,6 +40,12 @@ __all__ = ["all_reduce", "reduce_scatter", "reduce", "exchange_reduce", "level_o
 # 64 KiB 1.22, 1.55; 256 KiB 0.99, 1.28; 1 MiB 0.93, 0.99; 4 MiB 1.11, 1.13; 16 MiB 0.93,
 # 0.92; 64 MiB 0.87. With a NIC per local rank (GPU nodes) sharding pays far earlier.
 HIER_SHARD_MIN_NBYTES = 16 << 20
+# Up to this size the leaders algorithm's intra-node step is the engine's all_reduce, not
+# its reduce: the same sum in the same rank order (so the same bits), but the engine's
+# latency path (plan cached, one compiled step), where reduce takes the general one; the
+# other local ranks' extra reads are a few cache lines. 2 namespaced hosts x 2 ranks,
+# same-process toggle (12 blocks): see docs/MULTINODE.md.
+INTRA_ALL_REDUCE_MAX_NBYTES = 1024
 # From 3 nodes, a partial this large is reduce-scattered + all-gathered across nodes
 # instead of all-gathered whole (2(M-1)/M vs M-1 times its bytes on each link).
 RS_MIN_NBYTES = 256 << 10
@@ -70,8 +77,12 @@ def _all_reduce_leaders(call, flat, dt, intra_op, intra_premul, inter):
     early = None
     if g.local == 0 and flat.nbytes > wire.INLINE_NBYTES:
         early = call.start_frame(g.channel)  # the header round overlaps the node's reduce
-    call.intra("intra-node reduce to the leader", g.intra.reduce, flat, 0, intra_op,
-               dt.name, premul=intra_premul)
+    if flat.nbytes <= INTRA_ALL_REDUCE_MAX_NBYTES:
+        call.intra("intra-node all_reduce", g.intra.all_reduce, flat, intra_op, dt.name,
+                   premul=intra_premul)
+    else:
+        call.intra("intra-node reduce to the leader", g.intra.reduce, flat, 0, intra_op,
+                   dt.name, premul=intra_premul)
     if g.local == 0:
         exchange_reduce(call, g.channel, flat, inter, early, "inter-node all_reduce (leaders)")
     call.intra("intra-node broadcast from the leader", g.intra.broadcast, flat, 0)
