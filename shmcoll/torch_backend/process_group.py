@@ -16,13 +16,13 @@ operation fails with a DistBackendError saying the group was aborted and why.
 Direct construction like gloo's: ProcessGroupShm(store, rank, size, opts | timeout=).
 
 The methods are spread over mixins by kind: reductions.py (ReduceMixin), movement.py
-(MovementMixin: broadcast, gathers, scatter, all-to-all), p2p.py (P2PMixin); this module
-keeps the plumbing, barriers, coalescing, split and lifecycle; pg_args.py the Options and
-the argument coercions.
+(MovementMixin: broadcast, all-gathers, all-to-all), gather_scatter.py (GatherScatterMixin),
+p2p.py (P2PMixin), barriers.py (BarrierMixin: barrier, monitored_barrier); this module keeps
+the plumbing, coalescing, split and lifecycle; pg_args.py the Options and the argument
+coercions.
 """
 
 import datetime
-import re
 import threading
 import weakref
 
@@ -30,20 +30,22 @@ import torch
 import torch.distributed as dist
 
 from .. import config as _config
-from ..errors import CollectiveTimeoutError, GroupAbortedError
+from ..errors import GroupAbortedError
 from . import checks
+from .barriers import BarrierMixin
 from .convert import timeout_s, to_seconds
 from .executor import Executor
-from .monitored_barrier import monitored_barrier_peer, monitored_barrier_root
+from .gather_scatter import GatherScatterMixin
 from .movement import MovementMixin
 from .p2p import P2PMixin
-from .pg_args import ShmOptions, set_timeout
+from .pg_args import ShmOptions
 from .reductions import ReduceMixin
 from .work import CompletedWork, Job, ShmWork, torch_error
 
 __all__ = ["EngineProcessGroup", "ProcessGroupShm", "ShmOptions"]
 
-class EngineProcessGroup(ReduceMixin, MovementMixin, P2PMixin, dist.ProcessGroup):
+class EngineProcessGroup(ReduceMixin, MovementMixin, GatherScatterMixin, P2PMixin, BarrierMixin,
+                         dist.ProcessGroup):
     """torch ProcessGroup whose collectives run on a shmcoll engine Group."""
 
     BACKEND_NAME = "shm"
@@ -226,67 +228,6 @@ class EngineProcessGroup(ReduceMixin, MovementMixin, P2PMixin, dist.ProcessGroup
                                f"a store, so its ranks cannot exchange device handles")
         return ProcessRendezvous(self._store, group.rank, group.world_size,
                                  group._arena._pids, group.timeout_s, self._cfg.shm_dir)
-
-    # -- barriers ------------------------------------------------------------------------
-
-    def barrier(self, opts=None, timeout=None):
-        """barrier(opts) | barrier(timeout=None). Completes after every operation issued
-        before it on this group (ops run in order)."""
-        if isinstance(opts, datetime.timedelta):
-            opts, timeout = None, opts
-        opts = set_timeout(opts or dist.BarrierOptions(), timeout)
-        t_s = self._op_timeout(opts)
-
-        def run():
-            try:
-                self.group.barrier(t_s)
-            except CollectiveTimeoutError as e:
-                if dist.get_debug_level() == dist.DebugLevel.DETAIL:
-                    missing = re.search(r"for ranks \[([^\]]*)\]", str(e))
-                    ranks = missing.group(1) if missing else "?"
-                    raise CollectiveTimeoutError(
-                        f"{e}; [Rank {self.rank()}] (TORCH_DISTRIBUTED_DEBUG=DETAIL) rank(s) "
-                        f"{ranks} failed to pass monitoredBarrier in {int(round(t_s * 1000))} "
-                        f"ms") from None
-                raise
-        return self._submit("barrier", run, [], opts=opts)
-
-    def monitored_barrier(self, timeout=None, wait_all_ranks=False):
-        """gloo's monitoredBarrier: rank 0 waits for every other rank (through the store,
-        independent of queued collectives) and names the ranks that did not arrive in time:
-        "Rank 1 failed to pass monitoredBarrier in 1000 ms" (with wait_all_ranks: every
-        such rank, "Ranks 1, 2 failed ..."); the others then fail too. Synchronous.
-
-        Rank 0 checks in gloo's order (ProcessGroupGloo::monitoredBarrier): before waiting
-        for each rank, unless wait_all_ranks, the time left in whole ms; none left raises
-        "Rank 0 timed out in monitoredBarrier after N ms." naming the ranks processed so
-        far. Only rank 0 enforces the timeout (so it reports which rank is late); the
-        others wait up to the group's timeout, and fail at once when rank 0 fails."""
-        if self._closed:
-            raise self._closed_error("monitoredBarrier")
-        t_s = self.group.timeout_s if timeout is None else to_seconds(timeout)
-        ms = int(round(t_s * 1000))
-        with self._lock:
-            self._monitored_barriers += 1
-            n = self._monitored_barriers
-        rank, size = self.rank(), self.size()
-        if size == 1:
-            return None
-        if self._store is None:
-            self.barrier(timeout=datetime.timedelta(seconds=t_s)).wait()
-            return None
-        base = f"shmcoll/monitored_barrier/{n}"
-        if rank != 0:
-            monitored_barrier_peer(self._store, base, rank, self.group.timeout_s,
-                                   self.group.is_peer_alive)
-        else:
-            try:
-                monitored_barrier_root(self._store, base, size, ms, wait_all_ranks,
-                                       self.group.is_peer_alive)
-            except RuntimeError:
-                self._store.set(f"{base}/failed", "1")  # the others fail now, not at timeout
-                raise
-        return None
 
     # -- coalescing ----------------------------------------------------------------------
 
