@@ -24,7 +24,7 @@ class ProgressMixin:
     """Progress and failure of arena.DeviceArena (see the module docstring)."""
 
     def done(self):
-        """The last chunk my stream finished (host read of my DONE word)."""
+        """The last chunk my stream finished (host read of my MINE word)."""
         return read_word(self._mine)
 
     def is_done(self, g):

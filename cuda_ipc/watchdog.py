@@ -3,7 +3,7 @@
 A collective on device tensors returns once its chunks are enqueued; the waits of its
 stream (arena rules 1 and 3) then depend on peers the host is not watching. The watchdog
 is one thread per arena that runs only while such work is outstanding: it reads the
-rank's DONE word, retires collectives whose last chunk is done, and looks at the oldest
+rank's MINE word, retires collectives whose last chunk is done, and looks at the oldest
 unfinished one. After CHECK_AFTER_S it asks which peers hold the stream (their READY or
 DONE short of what it waits for); one that exited, closed or aborted fails the group at
 once (PeerLostError / GroupAbortedError), and the collective's deadline fails it with

@@ -3,7 +3,7 @@
 The collective's device work is enqueued on the caller's current stream when the call
 returns. `wait()` makes the *current* stream wait for it (nothing to do when that is the
 stream it was enqueued on) and never blocks the host; `is_completed()` asks whether the
-device has finished it (the rank's DONE word); `synchronize()` blocks the host until then,
+device has finished it (the rank's MINE word); `synchronize()` blocks the host until then,
 bounded by the collective's timeout. The future is a device-aware torch Future completed
 at once, as ProcessGroupNCCL's is: its value is usable by work ordered after the
 collective on a stream, `then()` callbacks run right away on the calling thread (so a
