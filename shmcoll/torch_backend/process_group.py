@@ -44,6 +44,7 @@ from .work import CompletedWork, Job, ShmWork, torch_error
 
 __all__ = ["EngineProcessGroup", "ProcessGroupShm", "ShmOptions"]
 
+
 class EngineProcessGroup(ReduceMixin, MovementMixin, GatherScatterMixin, P2PMixin, BarrierMixin,
                          dist.ProcessGroup):
     """torch ProcessGroup whose collectives run on a shmcoll engine Group."""
