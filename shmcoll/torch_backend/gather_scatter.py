@@ -25,35 +25,8 @@ class GatherScatterMixin:
     def gather(self, output_lists, input_tensors, opts=None, timeout=None):
         """gather(output_lists, inputs, opts) | gather(outputs, input, root, timeout=None)."""
         name = "gather"
-        if isinstance(input_tensors, torch.Tensor):  # convenience overload
-            root = 0 if opts is None else int(opts)
-            opts = dist.GatherOptions()
-            opts.rootRank = root
-            outs = list(output_lists)
-            output_lists = [outs] if (outs or self.rank() == root) else []
-            input_tensors = [input_tensors]
-        opts = set_timeout(opts or dist.GatherOptions(), timeout)
-        inputs = list(input_tensors)
-        output_lists = nested(output_lists)
-        root = opts.rootRank
-        checks.root_rank(name, root, self.size())
-        checks.single(name, inputs, "input tensor list")
-        device = self._on_device(name, inputs)
-        outs = []
-        if self.rank() == root:
-            if len(output_lists) != 1:
-                checks.fail(name, f"requires a single-element output list containing a list "
-                                  f"with {self.size()} tensors (got {len(output_lists)} lists)")
-            if len(output_lists[0]) != self.size():
-                checks.fail(name, f"Incorrect output list size {len(output_lists[0])}. Output "
-                                  f"list size should be {self.size()}, same as size of the "
-                                  f"process group.")
-            outs = list(output_lists[0])
-            self._on_device(name, outs)
-            checks.type_and_size_match(name, outs, inputs[0])
-        elif len(output_lists) != 0:
-            checks.fail(name, f"requires empty output on non-root (rank {self.rank()}, root "
-                              f"{root})")
+        opts, root, inputs, outs, output_lists, device = self._rooted_args(
+            name, input_tensors, output_lists, opts, timeout, dist.GatherOptions, "output")
         if device:
             return self._device_path(inputs).gather(outs, inputs, opts, gloo_value(output_lists))
         src = as_array(inputs[0], False)[0]
@@ -67,35 +40,8 @@ class GatherScatterMixin:
     def scatter(self, output_tensors, input_lists, opts=None, timeout=None):
         """scatter(outputs, input_lists, opts) | scatter(output, inputs, root, timeout=None)."""
         name = "scatter"
-        if isinstance(output_tensors, torch.Tensor):  # convenience overload
-            root = 0 if opts is None else int(opts)
-            opts = dist.ScatterOptions()
-            opts.rootRank = root
-            ins = list(input_lists)
-            input_lists = [ins] if (ins or self.rank() == root) else []
-            output_tensors = [output_tensors]
-        opts = set_timeout(opts or dist.ScatterOptions(), timeout)
-        outputs = list(output_tensors)
-        input_lists = nested(input_lists)
-        root = opts.rootRank
-        checks.root_rank(name, root, self.size())
-        checks.single(name, outputs, "output tensor list")
-        device = self._on_device(name, outputs)
-        ins = []
-        if self.rank() == root:
-            if len(input_lists) != 1:
-                checks.fail(name, f"requires a single-element input list containing a list "
-                                  f"with {self.size()} tensors (got {len(input_lists)} lists)")
-            if len(input_lists[0]) != self.size():
-                checks.fail(name, f"Incorrect input list size {len(input_lists[0])}. Input "
-                                  f"list size should be {self.size()}, same as size of the "
-                                  f"process group.")
-            ins = list(input_lists[0])
-            self._on_device(name, ins)
-            checks.type_and_size_match(name, ins, outputs[0])
-        elif len(input_lists) != 0:
-            checks.fail(name, f"requires empty input on non-root (rank {self.rank()}, root "
-                              f"{root})")
+        opts, root, outputs, ins, _, device = self._rooted_args(
+            name, output_tensors, input_lists, opts, timeout, dist.ScatterOptions, "input")
         if device:
             return self._device_path(outputs).scatter(outputs, ins, opts)
         dst = as_array(outputs[0], False)[0]
@@ -105,3 +51,41 @@ class GatherScatterMixin:
         def run():
             self.group.scatter(dst, srcs, root, t_s)
         return self._submit(name, run, outputs, opts=opts)
+
+    def _rooted_args(self, name, singles, lists, opts, timeout, options, side):
+        """Both call forms and gloo's checks, shared by gather (`side` "output": the root's
+        list receives) and scatter ("input": the root's list sends). `singles`: this rank's
+        one tensor (a list of it, or the tensor itself in the convenience form, where `opts`
+        is the root); `lists`: the root's list of world_size tensors, as a one-element nested
+        list (empty on other ranks). -> (opts, root, singles, the root's tensors or [],
+        lists, whether the tensors are on a device)."""
+        if isinstance(singles, torch.Tensor):  # convenience overload
+            root = 0 if opts is None else int(opts)
+            opts = options()
+            opts.rootRank = root
+            given = list(lists)
+            lists = [given] if (given or self.rank() == root) else []
+            singles = [singles]
+        opts = set_timeout(opts or options(), timeout)
+        singles = list(singles)
+        lists = nested(lists)
+        root = opts.rootRank
+        checks.root_rank(name, root, self.size())
+        checks.single(name, singles, f"{'input' if side == 'output' else 'output'} tensor list")
+        device = self._on_device(name, singles)
+        mine = []
+        if self.rank() == root:
+            if len(lists) != 1:
+                checks.fail(name, f"requires a single-element {side} list containing a list "
+                                  f"with {self.size()} tensors (got {len(lists)} lists)")
+            if len(lists[0]) != self.size():
+                checks.fail(name, f"Incorrect {side} list size {len(lists[0])}. "
+                                  f"{side.capitalize()} list size should be {self.size()}, "
+                                  f"same as size of the process group.")
+            mine = list(lists[0])
+            self._on_device(name, mine)
+            checks.type_and_size_match(name, mine, singles[0])
+        elif len(lists) != 0:
+            checks.fail(name, f"requires empty {side} on non-root (rank {self.rank()}, root "
+                              f"{root})")
+        return opts, root, singles, mine, lists, device
