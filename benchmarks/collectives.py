@@ -87,6 +87,21 @@ def table(seed: int, key: int, vmax: int) -> torch.Tensor:
     return torch.randint(1, vmax + 1, (PERIOD,), generator=g, dtype=torch.int64)
 
 
+def copy_plan(args, plan_iterations):
+    """The memcpy peer's sweep, the same on the host (peers.py) and on a device
+    (device.py): (dtype, the source table, [(count, nbytes, warmup, iters) per size])."""
+    dtype = DTYPES[args.dtype]
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    tab = table(args.seed, -7, max_value(dtype, 1))
+    plan = []
+    for req in args.sizes:
+        count = max(1, req // itemsize)
+        nbytes = count * itemsize
+        plan.append((count, nbytes) + tuple(plan_iterations(
+            nbytes, args.iters, args.warmup, args.iter_bytes, args.min_iters)))
+    return dtype, tab, plan
+
+
 def tiled(tab: torch.Tensor, start: int, length: int, dtype: torch.dtype) -> torch.Tensor:
     """A new contiguous tensor ``t[j] = tab[(start + j) % PERIOD]`` for j in [0, length)."""
     out = torch.empty(length, dtype=dtype)

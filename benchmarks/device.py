@@ -95,15 +95,9 @@ def run_device_copy(args, rep, make_row, plan_iterations, collectives, copy_spec
     timed per call; busbw = 2 * nbytes / time (bytes read + written)."""
     import torch
     dev = torch.device("cuda", 0)
-    dtype = collectives.DTYPES[args.dtype]
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    tab = collectives.table(args.seed, -7, collectives.max_value(dtype, 1))
+    dtype, tab, plan = collectives.copy_plan(args, plan_iterations)
     t_start = time.monotonic()
-    for req in args.sizes:
-        count = max(1, req // itemsize)
-        nbytes = count * itemsize
-        warm, iters = plan_iterations(nbytes, args.iters, args.warmup, args.iter_bytes,
-                                      args.min_iters)
+    for count, nbytes, warm, iters in plan:
         try:
             src = collectives.tiled(tab, 0, count, dtype).to(dev)
             dst = torch.empty_like(src)

@@ -255,14 +255,8 @@ def run_memcpy(args, rep: Reporter) -> None:
     torch.set_num_threads(1)  # the checks outside the timed region: no worker threads
     t_start = time.monotonic()
     try:
-        dtype = collectives.DTYPES[args.dtype]
-        itemsize = torch.empty(0, dtype=dtype).element_size()
-        tab = collectives.table(args.seed, -7, collectives.max_value(dtype, 1))
-        for req in args.sizes:
-            count = max(1, req // itemsize)
-            nbytes = count * itemsize
-            warm, iters = plan_iterations(nbytes, args.iters, args.warmup, args.iter_bytes,
-                                          args.min_iters)
+        dtype, tab, plan = collectives.copy_plan(args, plan_iterations)
+        for count, nbytes, warm, iters in plan:
             try:
                 src = collectives.tiled(tab, 0, count, dtype)
                 dst = torch.empty_like(src)
