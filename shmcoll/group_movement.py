@@ -86,14 +86,8 @@ class MovementMixin:
 
     def gather(self, array, outs=None, root=0, timeout_s=None):
         """Root's outs[j] receives rank j's array; non-roots pass outs=None."""
-        self._usable("gather")
-        self._root("gather", root)
-        _check_arrays("gather", [array])
-        src = np.ascontiguousarray(array)
-        flats, whole = [], []
-        if self.rank == root:
-            outs, whole = self._split_out("gather", outs, array)
-            flats = [_Flat(o, o.dtype, copy_in=False) for o in outs]
+        src, outs, whole = self._gather_args(array, outs, root)
+        flats = [_Flat(o, o.dtype, copy_in=False) for o in outs] if self.rank == root else []
         self._run("gather", (_code_of(array), src.size, root, 0, _shape(array)),
                   _local_all_gather_rooted if self._arena is None else self._select("gather", 0),
                   _bytes(src), [_bytes(f.flat) for f in flats], root, timeout_s=timeout_s,
@@ -130,6 +124,18 @@ class MovementMixin:
         return outs
 
     # -- list helpers --------------------------------------------------------------------
+
+    def _gather_args(self, array, outs, root):
+        """gather's checks, shared with HierGroup: -> (array as a contiguous source, the
+        root's output arrays (non-roots: `outs` as given), the root's arrays to write back
+        (_split_out's `whole`; [] elsewhere))."""
+        self._usable("gather")
+        self._root("gather", root)
+        _check_arrays("gather", [array])
+        whole = []
+        if self.rank == root:
+            outs, whole = self._split_out("gather", outs, array)
+        return np.ascontiguousarray(array), outs, whole
 
     def _split_out(self, name, outs, array):
         """-> (world_size output arrays, [_Flat to write back after the collective]).

@@ -18,6 +18,7 @@ class Collectives:
 
     _split_out = Group._split_out  # list checks worded as the engine's (world_size only)
     _split_in = Group._split_in
+    _gather_args = Group._gather_args
 
     def _root(self, name, root):
         if not 0 <= root < self.world_size:
@@ -114,14 +115,9 @@ class Collectives:
 
     def gather(self, array, outs=None, root=0, timeout_s=None):
         """Root's outs[j] receives rank j's array; non-roots pass outs=None."""
-        self._usable("gather")
-        self._root("gather", root)
-        _check_arrays("gather", [array])
-        src = np.ascontiguousarray(array)
-        gathered, whole = None, []
-        if self.rank == root:
-            outs, whole = self._split_out("gather", outs, array)
-            gathered = np.empty(self.world_size * src.nbytes, np.uint8)
+        src, outs, whole = self._gather_args(array, outs, root)
+        gathered = np.empty(self.world_size * src.nbytes, np.uint8) if self.rank == root \
+            else None
         self.run("gather", (_code_of(array), src.size, root, 0, _shape(array)), move.gather,
                  _bytes(src), gathered, root, timeout_s=timeout_s, nbytes=src.nbytes)
         if self.rank == root:
