@@ -14,7 +14,7 @@ collectives keep their issue order on one group. Returns a DeviceWork (work.py).
 
 import torch
 
-from shmcoll.group import _shape as _shape_word
+from shmcoll.group_args import _shape as _shape_word
 from shmcoll.ops import DTYPES, ReduceOp
 from shmcoll.torch_backend import checks
 from shmcoll.torch_backend.convert import SUPPORTED_DTYPES, reduce_op

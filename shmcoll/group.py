@@ -16,13 +16,6 @@ import numpy as np
 
 from . import algorithms
 from .errors import CollectiveMismatchError, CollectiveTimeoutError, ShmcollError
-from .group_args import (  # noqa: F401  (re-exported: hier/api.py, cuda_ipc/torch_path.py)
-    _bytes,
-    _check_arrays,
-    _code_of,
-    _Flat,
-    _shape,
-)
 from .group_movement import MovementMixin, _local_nothing
 from .group_p2p import P2PMixin
 from .group_reductions import ReduceMixin

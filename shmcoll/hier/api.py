@@ -5,8 +5,8 @@ rank, consumes no sequence number and leaves the group usable."""
 
 import numpy as np
 
-from ..group import Group, _bytes, _check_arrays, _code_of, _Flat, _shape
-from ..group_args import _all_to_all_args
+from ..group import Group
+from ..group_args import _all_to_all_args, _bytes, _check_arrays, _code_of, _Flat, _shape
 from ..ops import ReduceOp, dtype_of, reduce_spec
 from . import move, reduce
 
