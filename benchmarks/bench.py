@@ -262,6 +262,8 @@ def main(argv=None) -> int:
                 print(format_header(rec))
             elif rec.get("record", "row") == "row":
                 rep.row(rec)
+            elif rec.get("record") == "skip":
+                rep.skip(rec["backend"], rec["world_size"], rec["reason"])
             elif rec.get("record") == "error":
                 print(f"\n!! [{rec['backend']} world_size={rec['world_size']}] "
                       f"{rec['kind']}: {rec['message']}")
@@ -324,7 +326,9 @@ def main(argv=None) -> int:
     wrong_rows = [r for r in rep.rows if r["wrong"]]
     print(f"\nsummary: {len(rep.rows)} rows in {time.monotonic() - t_start:.1f}s, "
           f"{len(wrong_rows)} with WRONG results, {len(rep.errors)} errors, "
-          f"{len(rep.warnings)} warnings")
+          f"{len(rep.warnings)} warnings, {len(rep.skips)} skipped")
+    for k in rep.skips:
+        print(f"  SKIPPED: backend={k['backend']} world_size={k['world_size']}: {k['reason']}")
     for r in wrong_rows:
         print(f"  WRONG: backend={r['backend']} op={r['op']} world_size={r['world_size']} "
               f"nbytes={r['nbytes']}: {r['wrong']} wrong elements")

@@ -6,7 +6,8 @@ followed by a synchronization of the rank's stream, so a row's time is the call'
 to completion on the device for every backend alike (gloo stages CUDA tensors through the
 host and synchronizes inside; "shm" and NCCL only enqueue). The "nccl" backend is started
 with NCCL_MULTI_RANK_GPU_ENABLE=1 (NCCL >= 2.30 lets 2 ranks share a GPU; older NCCL
-refuses with "Duplicate GPU detected" and the run reports that error). The "memcpy" peer
+refuses with "Duplicate GPU detected", so with more ranks than GPUs the run skips the
+nccl column and records why: `nccl_unavailable`). The "memcpy" peer
 becomes a device-to-device copy (torch copy_, CUDA-event timed): the device's own copy
 bandwidth, the roofline of collectives among ranks of one GPU.
 
@@ -19,7 +20,7 @@ import os
 import statistics
 import time
 
-__all__ = ["DEVICES", "rank_env", "prepare_rank", "to_device", "synchronizer", "header",
+__all__ = ["DEVICES", "rank_env", "nccl_unavailable", "prepare_rank", "to_device", "synchronizer", "header",
            "run_device_copy"]
 
 DEVICES = ("cpu", "cuda", "sim")
@@ -33,6 +34,31 @@ def rank_env(device, backend):
     if device == "cuda" and backend == "nccl":
         env["NCCL_MULTI_RANK_GPU_ENABLE"] = "1"
     return env
+
+
+NCCL_SHARED_GPU = (2, 30)  # the first NCCL that lets ranks share a GPU (env switch below)
+
+
+def nccl_unavailable(device, world_size, nccl_version=None, gpus=None):
+    """Why NCCL cannot run `world_size` ranks here (None when it can): NCCL before 2.30
+    refuses two ranks on one GPU ("Duplicate GPU detected"; NCCL_MULTI_RANK_GPU_ENABLE does
+    not exist there), so with more ranks than GPUs its column is skipped, with this reason
+    recorded, instead of failing the run. Versions and GPU count are read from torch unless
+    given."""
+    if device != "cuda":
+        return None
+    import torch
+    try:
+        gpus = torch.cuda.device_count() if gpus is None else gpus
+        nccl_version = tuple(torch.cuda.nccl.version()) if nccl_version is None else \
+            tuple(nccl_version)
+    except Exception:  # noqa: BLE001 - no CUDA/NCCL: the ranks report their own error
+        return None
+    if gpus < 1 or world_size <= gpus or nccl_version >= NCCL_SHARED_GPU:
+        return None
+    return (f"NCCL {'.'.join(map(str, nccl_version))} refuses several ranks on one GPU "
+            f"('Duplicate GPU detected'): {world_size} ranks on {gpus} GPU(s) need NCCL >= "
+            f"{'.'.join(map(str, NCCL_SHARED_GPU))} (NCCL_MULTI_RANK_GPU_ENABLE=1)")
 
 
 def prepare_rank(device, rank):
@@ -73,9 +99,12 @@ def header(device):
     if device != "cuda":
         return {"device": device}
     import torch
-    info = {"device": "cuda", "cuda_devices": [torch.cuda.get_device_name(i)
-                                              for i in range(torch.cuda.device_count())],
-            "torch_cuda": torch.version.cuda}
+    info = {"device": "cuda", "torch_cuda": torch.version.cuda}
+    try:
+        info["cuda_devices"] = [torch.cuda.get_device_name(i)
+                                for i in range(torch.cuda.device_count())]
+    except Exception as e:  # noqa: BLE001 - a broken CUDA init still gets its rows' errors
+        info["cuda_devices"] = f"unavailable: {type(e).__name__}: {e}"
     try:
         info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
     except Exception:  # noqa: BLE001 - informational
@@ -124,8 +153,12 @@ def run_device_copy(args, rep, make_row, plan_iterations, collectives, copy_spec
             break
         rep.row(make_row("memcpy", copy_spec, 1, nbytes, count, args.dtype, iters, warm,
                          [float(statistics.median(times))], [float(min(times))], wrong))
+    try:
+        name = torch.cuda.get_device_name(0)
+    except Exception as e:  # noqa: BLE001 - the ranks' backends still run and report
+        name = f"a device torch cannot name: {type(e).__name__}: {e}"
     print(f"# [memcpy] {time.monotonic() - t_start:.1f}s wall (device-to-device copy_ on "
-          f"{torch.cuda.get_device_name(0)})", flush=True)
+          f"{name})", flush=True)
 
 
 def environ_with(extra):

@@ -224,6 +224,10 @@ def run_config(backend: str, world_size: int, args, rep: Reporter) -> None:
         run_mpi_config(backend, world_size, args, rep)
         return
     extra = {}
+    why = device_mod.nccl_unavailable(args.device, world_size) if backend == "nccl" else None
+    if why:
+        rep.skip(backend, world_size, why)
+        return
     if backend == DEEPSPEED:
         from benchmarks import deepspeed_peer
         why = deepspeed_peer.unavailable(args.ops, args.dtype)

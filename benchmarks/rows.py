@@ -200,7 +200,7 @@ class Reporter:
     """Prints tables as rows arrive, keeps rows and error records."""
 
     def __init__(self, out_file=None):
-        self.rows, self.errors, self.warnings = [], [], []
+        self.rows, self.errors, self.warnings, self.skips = [], [], [], []
         self._group = None
         self._out = out_file
         self.round = None  # with --rounds: the round the next rows belong to
@@ -230,6 +230,15 @@ class Reporter:
         where = " ".join(f"{k}={v}" for k, v in extra.items() if k != "detail")
         print(f"\n!! [{backend} world_size={world_size}{' ' + where if where else ''}] "
               f"{kind}: {message}", flush=True)
+        self._write(rec)
+
+    def skip(self, backend, world_size, reason):
+        """A configuration that cannot run here, for a known reason: recorded, not an error."""
+        rec = {"record": "skip", "backend": backend, "world_size": world_size,
+               "reason": reason}
+        self.skips.append(rec)
+        self._group = None
+        print(f"\n-- [{backend} world_size={world_size}] skipped: {reason}", flush=True)
         self._write(rec)
 
     def warn(self, backend, world_size, message):

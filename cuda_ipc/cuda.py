@@ -265,7 +265,7 @@ class CudaDevice:
         """Device -> host copy of `tensor` (setup probes), bounded by `timeout_s`: reading a
         peer's memory over a broken P2P link can hang (vLLM #2728), so it runs on a side
         stream and the host gives up instead of waiting forever."""
-        out = torch.empty(tensor.numel(), dtype=torch.uint8, pin_memory=True)
+        out = torch.empty(tensor.numel(), dtype=torch.uint8, device="cpu", pin_memory=True)
         with self._ctx():
             side = torch.cuda.Stream(self.index)
             with torch.cuda.stream(side):

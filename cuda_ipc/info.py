@@ -57,7 +57,7 @@ finally:
 """ % (_READY, _PING, _PONG, _PING)
 
 
-def _ipc_works(timeout_s=60.0):
+def _ipc_works(timeout_s=45.0):
     """(ok, detail): a child process maps a buffer this process exported and reads it."""
     import numpy as np
     from .cuda import CudaDevice
@@ -100,7 +100,7 @@ def _flag_handoff(n=200, timeout_s=20.0):
                              text=True)
     stream = torch.cuda.Stream(0)
     try:
-        deadline = time.monotonic() + 90  # the child imports torch and probes first
+        deadline = time.monotonic() + 45  # the child imports torch and probes first
         while read_word(host + 8 * _READY) != 1:
             if child.poll() is not None or time.monotonic() > deadline:
                 return False, "the child did not start: " + \
@@ -148,24 +148,32 @@ def _guarded(fn, *args):
 
 def report():
     """[(level, text, fix)], level OK / INFO / WARN / FAIL (shmcoll.doctor's levels)."""
+    return list(findings())
+
+
+def findings():
+    """The findings of report(), each as soon as it is known (main prints them so: a
+    deadline that stops this process still leaves what was found before it)."""
     import torch
     if not torch.cuda.is_available():
-        return [("INFO", "no CUDA device visible (torch.cuda.is_available() is False): "
-                 "backend 'shm' moves CPU tensors only", "")]
+        yield ("INFO", "no CUDA device visible (torch.cuda.is_available() is False): "
+               "backend 'shm' moves CPU tensors only", "")
+        return
     from .cuda_api import (ATTR_CAN_MAP_HOST_MEMORY, ATTR_HOST_REGISTER_SUPPORTED,
                            ATTR_UNIFIED_ADDRESSING, Api)
     n = torch.cuda.device_count()
-    out = [("INFO", f"{n} CUDA device(s), torch {torch.__version__} (CUDA "
-            f"{torch.version.cuda})", "")]
+    yield ("INFO", f"{n} CUDA device(s), torch {torch.__version__} (CUDA "
+           f"{torch.version.cuda})", "")
     try:
         api = Api.get()
     except Exception as e:  # noqa: BLE001 - reported
-        return out + [("FAIL", f"the CUDA runtime/driver functions cuda_ipc needs are not "
-                               f"available ({e})", "a CUDA 12 or newer driver")]
+        yield ("FAIL", f"the CUDA runtime/driver functions cuda_ipc needs are not "
+                       f"available ({e})", "a CUDA 12 or newer driver")
+        return
     rt, drv = api.versions()
-    out.append(("INFO", f"CUDA runtime {rt // 1000}.{rt % 1000 // 10} ({api.runtime_path}), "
-                f"driver API {drv // 1000}.{drv % 1000 // 10}, stream memory operations "
-                f"{'_v2' if api.memops_v2 else 'v1 (needs NVreg_EnableStreamMemOPs=1)'}", ""))
+    yield ("INFO", f"CUDA runtime {rt // 1000}.{rt % 1000 // 10} ({api.runtime_path}), "
+           f"driver API {drv // 1000}.{drv % 1000 // 10}, stream memory operations "
+           f"{'_v2' if api.memops_v2 else 'v1 (needs NVreg_EnableStreamMemOPs=1)'}", "")
     from .cuda import CudaDevice
     devs = []
     for i in range(n):
@@ -176,42 +184,41 @@ def report():
         try:
             d = CudaDevice(i)
         except Exception as e:  # noqa: BLE001 - the probe's finding, with its fix
-            out.append(("FAIL", f"cuda:{i}: {e} [{attrs}]", "see the message"))
+            yield ("FAIL", f"cuda:{i}: {e} [{attrs}]", "see the message")
             continue
         devs.append(d)
         free, total = d.mem_get_info()
-        out.append(("OK", f"cuda:{d.index} {d.describe()} uuid {d.uuid}, {free / 2**30:.1f} of "
-                    f"{total / 2**30:.1f} GiB free; stream memory operations on shared memory "
-                    f"registered with it work (probed) [{attrs}]", ""))
+        yield ("OK", f"cuda:{d.index} {d.describe()} uuid {d.uuid}, {free / 2**30:.1f} of "
+                     f"{total / 2**30:.1f} GiB free; stream memory operations on shared memory "
+                     f"registered with it work (probed) [{attrs}]", "")
     if not devs or devs[0].index != 0:
-        return out
+        return
     if len(devs) > 1:
-        out.append(("INFO", "peer-to-peer (row can map column): " + "; ".join(
+        yield ("INFO", "peer-to-peer (row can map column): " + "; ".join(
             f"{a.index}->{b.index} {'yes' if a.can_access_peer(b.uuid) else 'no'}"
-            for a in devs for b in devs if a is not b), ""))
+            for a in devs for b in devs if a is not b), "")
     ipc, detail = _guarded(_ipc_works)
-    out.append(("OK" if ipc else "WARN", f"CUDA IPC between processes: "
-                f"{'works' if ipc else 'fails'} ({detail})",
-                "" if ipc else "run the ranks in one container/PID namespace (docker "
-                "--ipc=host --pid=host); meanwhile the host tier works, slower"))
+    yield ("OK" if ipc else "WARN", f"CUDA IPC between processes: "
+           f"{'works' if ipc else 'fails'} ({detail})",
+           "" if ipc else "run the ranks in one container/PID namespace (docker "
+           "--ipc=host --pid=host); meanwhile the host tier works, slower")
     flags, detail = _guarded(_flag_handoff)
-    out.append(("OK" if flags else "FAIL", f"stream handoffs between two processes on "
-                f"cuda:0 through flag words: {detail}",
-                "" if flags else "collectives on CUDA tensors would hang or time out here"))
+    yield ("OK" if flags else "FAIL", f"stream handoffs between two processes on "
+           f"cuda:0 through flag words: {detail}",
+           "" if flags else "collectives on CUDA tensors would hang or time out here")
     p2p = ipc and all(a.can_access_peer(b.uuid) for a in devs for b in devs if a is not b)
-    out.append(("INFO", f"tier for ranks sharing one GPU: "
-                f"{'same_gpu' if ipc else 'host (staged through /dev/shm)'}", ""))
+    yield ("INFO", f"tier for ranks sharing one GPU: "
+           f"{'same_gpu' if ipc else 'host (staged through /dev/shm)'}", "")
     if len(devs) > 1:
-        out.append(("INFO", f"tier for ranks on different GPUs: {'p2p' if p2p else 'host'}",
-                    ""))
-    return out
+        yield ("INFO", f"tier for ranks on different GPUs: {'p2p' if p2p else 'host'}", "")
 
 
 def main():
-    found = report()
-    for level, text, fix in found:
-        print(f"{level:5} {text}" + (f"\n      fix: {fix}" if fix else ""))
-    return 1 if any(level == "FAIL" for level, _, _ in found) else 0
+    failed = False
+    for level, text, fix in findings():
+        print(f"{level:5} {text}" + (f"\n      fix: {fix}" if fix else ""), flush=True)
+        failed = failed or level == "FAIL"
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

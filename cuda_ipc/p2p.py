@@ -23,7 +23,7 @@ def stage_send(t):
 def stage_recv(t):
     """(host tensor to receive into, finish()): finish copies it into `t` on the stream
     current now, from whatever thread completes the receive."""
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
     stream = torch.cuda.current_stream(t.device)
 
     def finish():

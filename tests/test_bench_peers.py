@@ -278,3 +278,30 @@ def test_git_commit_reads_main_checkouts_and_linked_worktrees(tmp_path):
     git("add", "g", cwd=tmp_path / "wt")
     git("commit", "-qm", "two", cwd=tmp_path / "wt")
     assert git_commit(tmp_path / "wt") == git("rev-parse", "HEAD", cwd=tmp_path / "wt") != head
+
+
+def test_nccl_on_a_shared_gpu_is_skipped_with_its_reason_before_nccl_2_30(tmp_path, capsys,
+                                                                          monkeypatch):
+    """NCCL < 2.30 refuses two ranks on one GPU: the benchmark skips that column, records
+    why, and still exits 0 when everything else passed (scripts/gpu_check.sh relies on it)."""
+    from benchmarks import device, ranks, rows
+    why = device.nccl_unavailable("cuda", 2, nccl_version=(2, 28, 9), gpus=1)
+    assert "NCCL 2.28.9 refuses" in why and "2 ranks on 1 GPU" in why
+    assert device.nccl_unavailable("cuda", 2, nccl_version=(2, 30, 0), gpus=1) is None
+    assert device.nccl_unavailable("cuda", 2, nccl_version=(2, 28, 9), gpus=2) is None
+    assert device.nccl_unavailable("cpu", 4, nccl_version=(2, 28, 9), gpus=1) is None
+    out = tmp_path / "r.jsonl"
+    with open(out, "w") as f:
+        rep = rows.Reporter(f)
+        args = bench.resolve_args(["--device", "cuda", "--backends", "nccl", "--sizes", "8"])
+        original = device.nccl_unavailable
+        monkeypatch.setattr(device, "nccl_unavailable",
+                            lambda dev, ws: original(dev, ws, (2, 28, 9), 1))
+        ranks.run_config("nccl", 2, args, rep)  # no rank is started
+    assert rep.errors == [] and rep.rows == []
+    assert [k["backend"] for k in rep.skips] == ["nccl"]
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert recs == [{"record": "skip", "backend": "nccl", "world_size": 2,
+                     "reason": why}]
+    assert bench.main(["--load", str(out)]) == 0
+    assert "skipped: NCCL 2.28.9 refuses" in capsys.readouterr().out

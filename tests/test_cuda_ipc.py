@@ -220,6 +220,74 @@ def test_async_ops_and_futures_on_the_device_path():
                                        args=(tb._async_many, 100), env=_sim_env()))
 
 
+def _under_a_default_device(rank, ws):
+    """A caller's torch.set_default_device stays active inside the backend for direct
+    ProcessGroup calls, C++ callers (DDP) and, on torch < 2.13, dist.broadcast & co (no
+    __torch_function__ hook pops it): every tensor the backend makes must name its device.
+    With "meta" as the default, one that does not is a meta tensor and the results break."""
+    torch.set_default_device("meta")
+    try:
+        pg = dist.group.WORLD
+        x = torch.full((5,), float(rank + 1), device="cpu")
+        pg.allreduce([x], dist.AllreduceOptions()).wait()  # the group's first collective
+        assert x.device.type == "cpu" and x.tolist() == [ws * (ws + 1) / 2] * 5, x
+        b = torch.arange(6, dtype=torch.float32, device="cpu") * (1 if rank == 0 else -1)
+        dist.broadcast(b, 0)
+        assert b.tolist() == list(range(6)), b
+        wide = torch.arange(12, dtype=torch.float32, device="cpu").view(3, 4)
+        strided = wide.t()  # non-contiguous: the backend stages it in a temporary
+        dist.all_reduce(strided)
+        assert torch.equal(wide, torch.arange(12, dtype=torch.float32, device="cpu").view(3, 4)
+                           * ws), wide
+        out = [torch.empty(2, device="cpu") for _ in range(ws)]
+        dist.all_gather(out, torch.full((2,), float(rank), device="cpu"))
+        assert [o.tolist() for o in out] == [[float(r)] * 2 for r in range(ws)], out
+        cols = torch.empty(2, ws, device="cpu")
+        pg._allgather_base(cols.t(), torch.full((2,), float(rank), device="cpu")).wait()
+        assert cols.t().tolist() == [[float(r)] * 2 for r in range(ws)], cols
+        if ws >= 2:
+            m = torch.full((3,), 7.0, device="cpu") if rank == 0 else torch.empty(3, device="cpu")
+            if rank == 0:
+                dist.send(m, 1)
+            elif rank == 1:
+                dist.recv(m, 0)
+            assert m.tolist() == [7.0] * 3, m
+        return True
+    finally:
+        torch.set_default_device(None)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("device_path", [True, False], ids=["device-path", "host"])
+def test_a_callers_default_device_does_not_leak_into_the_backend(device_path):
+    assert all(harness.run_torch_ranks(_under_a_default_device, 2, "shm", JOB_TIMEOUT_S,
+                                       env=_sim_env() if device_path else None))
+
+
+def test_factories_in_the_backend_name_their_device():
+    """Static companion of the test above, for code only a GPU runs (cuda_ipc/cuda.py's
+    pinned read, p2p's pinned staging buffer): torch factory calls in the adapter and in
+    cuda_ipc pass device=, so a caller's default device never chooses for them."""
+    import ast
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parents[1]
+    factories = {"empty", "zeros", "ones", "full", "arange", "tensor", "rand", "randn",
+                 "empty_strided", "linspace"}
+    missing = []
+    for d in ("cuda_ipc", "shmcoll/torch_backend", "threaded_pg"):
+        for path in sorted((root / d).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                        and node.func.attr in factories
+                        and isinstance(node.func.value, ast.Name)
+                        and node.func.value.id == "torch"
+                        and not any(k.arg == "device" for k in node.keywords)):
+                    missing.append(f"{path.relative_to(root)}:{node.lineno} torch."
+                                   f"{node.func.attr}")
+    assert not missing, "factory calls without device=: " + ", ".join(missing)
+
+
 def _large(rank, ws):
     """Messages of many chunks (4 KiB slots): all_reduce in bf16 and f32, reduce_scatter,
     all_gather, all_to_all with uneven splits, results exact."""

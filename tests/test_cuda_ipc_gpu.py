@@ -29,6 +29,11 @@ TEST_TIMEOUT_S = float(os.environ.get("SHMCOLL_GPU_TEST_TIMEOUT_S", "900"))
 LEAK_CYCLES = int(os.environ.get("SHMCOLL_GPU_LEAK_CYCLES", "1000"))
 LEAK_BUDGET_S = float(os.environ.get("SHMCOLL_GPU_LEAK_BUDGET_S", "0"))
 
+if os.environ.get("SHMCOLL_REQUIRE_GPU") == "1" and not torch.cuda.is_available():
+    # scripts/gpu_check.sh sets it: there, "every test skipped" would read as a pass
+    raise RuntimeError(f"SHMCOLL_REQUIRE_GPU=1 but torch {torch.__version__} (CUDA "
+                       f"{torch.version.cuda}) sees no CUDA device")
+
 pytestmark = [pytest.mark.cuda, pytest.mark.multiprocess, pytest.mark.timeout(TEST_TIMEOUT_S),
               pytest.mark.skipif(not torch.cuda.is_available(),
                                  reason="needs a CUDA GPU (run scripts/gpu_check.sh on one)")]
@@ -52,6 +57,33 @@ def _on_gpu(rank, ws, fn, *args):
         return fn(rank, ws, *args)
     finally:
         torch.set_default_device(None)
+
+
+def _smoke(rank, ws):
+    """The first contact: a small and a chunked all_reduce, bf16, a broadcast and an
+    all_gather on CUDA tensors, exact results; which tier the ranks took."""
+    import torch.distributed as dist
+    for n, dtype in ((5, torch.float32), ((3 << 20) + 11, torch.float32), (4099, torch.bfloat16)):
+        x = torch.arange(n, dtype=torch.int64) % 7
+        t = (x + rank).to(dtype)
+        dist.all_reduce(t)
+        tb._eq(t, (x * ws + sum(range(ws))).to(dtype), f"all_reduce {dtype} n={n}")
+    b = torch.full((1000,), float(rank))
+    dist.broadcast(b, 1)
+    tb._eq(b, torch.full((1000,), 1.0), "broadcast")
+    out = torch.empty(ws * 3)
+    dist.all_gather_into_tensor(out, torch.full((3,), float(rank)))
+    tb._eq(out, torch.arange(ws, dtype=torch.float32).repeat_interleave(3), "all_gather")
+    torch.cuda.synchronize()
+    return dist.group.WORLD._device.dg.tier
+
+
+def test_smoke_two_ranks_on_one_gpu():
+    """Run first by scripts/gpu_check.sh (its own stage, a short deadline): when the basics
+    fail, the suite after it runs with a smaller --maxfail."""
+    tiers = harness.run_torch_ranks(_on_gpu, 2, "shm", JOB_TIMEOUT_S, args=(_smoke,))
+    print(f"smoke: tiers {tiers}")
+    assert len(set(tiers)) == 1, tiers
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from ..ops import ReduceOp
+from .compat import premul_factor
 
 __all__ = ["as_array", "tensor_array", "plain_array", "engine_dtype", "reduce_op", "timeout_s",
            "to_seconds", "SUPPORTED_DTYPES"]
@@ -130,10 +131,7 @@ def reduce_op(op):
         ours = None
     if ours is None:
         raise ValueError(f"unsupported reduction operation {kind}")
-    factor = 1.0
-    if ours == ReduceOp.PREMUL_SUM:
-        f = getattr(op, "factor", 1.0)
-        factor = float(f.item() if isinstance(f, torch.Tensor) else f)
+    factor = premul_factor(op) if ours == ReduceOp.PREMUL_SUM else 1.0
     return ours, factor
 
 

@@ -73,13 +73,13 @@ class HierProcessGroup(EngineProcessGroup):
 
     def recv(self, tensors, srcRank, tag=0):
         t = self._p2p_tensor("recv", tensors, srcRank, tag, "source")
-        buf = t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype)
+        buf = t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype, device=t.device)
         work = self._world.pg.recv([buf], srcRank, tag)
         return self._track(_P2PWork("recv", work, [t], self.group, buf))
 
     def recv_anysource(self, tensors, tag=0):
         t = self._p2p_tensor("recvAnysource", tensors, None, tag, "source")
-        buf = t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype)
+        buf = t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype, device=t.device)
         work = self._world.pg.recv_anysource([buf], tag)
         return self._track(_P2PWork("recvAnysource", work, [t], self.group, buf))
 

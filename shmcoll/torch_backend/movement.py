@@ -267,7 +267,7 @@ class _StridedChunks:
 
     def __init__(self, output, n):
         self._output = output
-        self._tmp = torch.empty(output.numel(), dtype=output.dtype)
+        self._tmp = torch.empty(output.numel(), dtype=output.dtype, device=output.device)
         self._chunks = list(self._tmp.chunk(n)) if output.numel() else [self._tmp] * n
 
     def __getitem__(self, i):

@@ -51,20 +51,20 @@ def allreduce_sum(group, tensors, timeout_s, name="allreduce"):
     indices = local._indices()
     nnz = int(header[0])
 
-    idx_pad = torch.zeros((sparse_dim, max_nnz), dtype=torch.int64)
+    idx_pad = torch.zeros((sparse_dim, max_nnz), dtype=torch.int64, device="cpu")
     idx_pad[:, :nnz] = indices
-    idx_all = torch.empty((ws, sparse_dim, max_nnz), dtype=torch.int64)
+    idx_all = torch.empty((ws, sparse_dim, max_nnz), dtype=torch.int64, device="cpu")
     group.all_gather(idx_all.numpy(), idx_pad.numpy(), timeout_s)
 
-    val_pad = torch.zeros((max_nnz,) + dense_shape, dtype=values.dtype)
+    val_pad = torch.zeros((max_nnz,) + dense_shape, dtype=values.dtype, device="cpu")
     val_pad[:nnz] = values
-    val_all = torch.empty((ws, max_nnz) + dense_shape, dtype=values.dtype)
+    val_all = torch.empty((ws, max_nnz) + dense_shape, dtype=values.dtype, device="cpu")
     group.all_gather(_as_bytes(val_all), _as_bytes(val_pad), timeout_s)
 
     all_idx = torch.cat([idx_all[r, :, :int(nnzs[r])] for r in range(ws)], dim=1)
     all_val = torch.cat([val_all[r, :int(nnzs[r])] for r in range(ws)], dim=0)
     total = torch.sparse_coo_tensor(all_idx, all_val, local.shape,
-                                    dtype=values.dtype).coalesce()
+                                    dtype=values.dtype, device="cpu").coalesce()
     with torch.no_grad():
         for t in tensors:
             t.copy_(total)

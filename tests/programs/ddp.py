@@ -79,8 +79,11 @@ _POWERSGD_RNG = (
 # model's parameters go in one bucket.
 program("ddp_hook_allreduce")(_ddp_program(default_hooks.allreduce_hook))
 program("ddp_hook_fp16_compress")(_ddp_program(default_hooks.fp16_compress_hook))
-program("ddp_hook_bf16_compress", torch_fails="bf16_compress_hook requires CUDA 11+ with "
-        "NCCL 2.10+ (or XPU): it refuses a gloo-like CPU group")(
+# DDP refuses the hook unless torch was built with CUDA and NCCL >= 2.10: a CPU-only torch
+# refuses it on any group, a CUDA build (the GPU machine's) accepts it on gloo's as on ours.
+program("ddp_hook_bf16_compress", torch_fails="" if torch.version.cuda else (
+        "bf16_compress_hook requires CUDA 11+ with NCCL 2.10+ (or XPU): a CPU-only torch "
+        "refuses it"))(
     _ddp_program(default_hooks.bf16_compress_hook))
 program("ddp_hook_noop")(_ddp_program(debugging_hooks.noop_hook))
 program("ddp_hook_powerSGD", threads_rng=_POWERSGD_RNG)(

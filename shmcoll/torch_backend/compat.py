@@ -1,0 +1,58 @@
+"""What differs between the torch versions shmcoll accepts, in one place.
+
+Every read of a torch internal whose spelling changed between releases goes through a
+function here, each written so that it works on every supported version or fails with a
+clear error -- never by quietly falling back to a default that gives a wrong result.
+tests/test_torch_compat.py runs each on the installed torch (CI: the newest and the
+oldest supported torch).
+
+| what | where it differs |
+|---|---|
+| PREMUL_SUM's factor | `ReduceOp.factor` exists from torch 2.13; every version pickles the op as `(RedOpType.PREMUL_SUM, factor)` through `__getstate__` |
+"""
+
+import torch
+
+__all__ = ["TORCH_VERSION", "premul_factor"]
+
+
+def _version_tuple(text):
+    parts = []
+    for piece in text.split("+")[0].split(".")[:3]:
+        digits = "".join(c for c in piece if c.isdigit()) or "0"
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+TORCH_VERSION = _version_tuple(torch.__version__)  # (major, minor, patch)
+
+
+def premul_factor(op):
+    """The factor of a PREMUL_SUM ReduceOp (`dist._make_nccl_premul_sum(f)`, also as
+    `opts.reduceOp`), as a float; a tensor factor holds one element.
+
+    torch < 2.13 has no `ReduceOp.factor`; its `__getstate__` (what pickling uses, on every
+    version) returns `(RedOpType.PREMUL_SUM, factor)`. An op that offers neither raises:
+    a factor silently read as 1.0 would turn PREMUL_SUM into a plain SUM."""
+    factor = getattr(op, "factor", None)
+    if factor is None:
+        state = None
+        getstate = getattr(op, "__getstate__", None)
+        if getstate is not None:
+            try:
+                state = getstate()
+            except Exception:  # noqa: BLE001 - reported below as the missing factor
+                state = None
+        if isinstance(state, tuple) and len(state) == 2:
+            factor = state[1]
+    if factor is None:
+        raise ValueError(
+            f"shm: cannot read PREMUL_SUM's factor from {op!r} on torch {torch.__version__} "
+            f"(no ReduceOp.factor and no (op, factor) state); refusing to reduce it as a "
+            f"plain SUM")
+    if isinstance(factor, torch.Tensor):
+        if factor.numel() != 1:
+            raise ValueError(f"shm: PREMUL_SUM's factor must hold one element, got a tensor "
+                             f"of shape {tuple(factor.shape)}")
+        return float(factor.item())
+    return float(factor)

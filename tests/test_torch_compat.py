@@ -1,0 +1,53 @@
+"""shmcoll.torch_backend.compat on the installed torch (CI runs this on the newest and on
+the oldest supported torch): every version-dependent read works here, or fails loudly."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shmcoll.ops import ReduceOp
+from shmcoll.torch_backend import compat
+from shmcoll.torch_backend.convert import reduce_op
+
+
+@pytest.mark.parametrize("factor", [2.5, -0.125, torch.tensor([3.0]), torch.tensor(0.5)],
+                         ids=["float", "negative", "tensor1", "scalar-tensor"])
+def test_premul_factor_is_read_on_this_torch(factor):
+    op = dist._make_nccl_premul_sum(factor)
+    want = float(factor.item() if isinstance(factor, torch.Tensor) else factor)
+    assert compat.premul_factor(op) == want
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = op
+    assert compat.premul_factor(opts.reduceOp) == want  # what a ProcessGroup receives
+    assert reduce_op(op) == (ReduceOp.PREMUL_SUM, want)
+
+
+def test_an_unreadable_factor_raises_instead_of_summing():
+    class Opaque:  # neither .factor nor an (op, factor) state, as a future torch might be
+        op = dist.ReduceOp.PREMUL_SUM
+
+        def __getstate__(self):
+            return None
+
+    with pytest.raises(ValueError, match="cannot read PREMUL_SUM's factor"):
+        compat.premul_factor(Opaque())
+
+
+def test_a_factor_of_several_elements_is_refused():
+    class Wide:
+        factor = torch.tensor([1.0, 2.0])
+
+    with pytest.raises(ValueError, match="one element"):
+        compat.premul_factor(Wide())
+
+
+def test_other_ops_have_no_factor():
+    for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX):
+        assert reduce_op(op)[1] == 1.0
+
+
+def test_version_tuple():
+    assert compat._version_tuple("2.11.0+cu130") == (2, 11, 0)
+    assert compat._version_tuple("2.14.0a0+git1234") == (2, 14, 0)
+    assert compat._version_tuple("2.4.1") == (2, 4, 1)
+    assert compat.TORCH_VERSION[:2] == tuple(int(x) for x in torch.__version__.split(".")[:2])
