@@ -21,13 +21,15 @@ import harness
 import threaded_pg
 from programs import BITWISE, programs
 from programs.run import run_in_processes, run_on_threads
+from shmcoll.torch_backend.compat import TORCH_VERSION
 
 pytestmark = [pytest.mark.torch, pytest.mark.timeout(900)]
 
 JOB_TIMEOUT_S = 600
 PROGRAMS = programs()
 FAST = [name for name, p in PROGRAMS.items() if not p.slow]
-SLOW = [name for name, p in PROGRAMS.items() if p.slow]
+SLOW = [name for name, p in PROGRAMS.items() if p.slow and not p.unsupported(TORCH_VERSION)]
+RUN = [name for name in FAST if not PROGRAMS[name].unsupported(TORCH_VERSION)]
 ELASTIC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "programs", "elastic.py")
 
 
@@ -35,14 +37,14 @@ ELASTIC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "programs", "
 def process_runs():
     """Per rank: {backend: {program: outcome}}, gloo then shm in the same processes."""
     return harness.run_ranks(run_in_processes, 2, "processes", JOB_TIMEOUT_S,
-                             args=(FAST, ("gloo", "shm")))
+                             args=(RUN, ("gloo", "shm")))
 
 
 @pytest.fixture(scope="module")
 def threaded_runs(tmp_path_factory):
     """Per rank: {program: outcome} on rank threads (one intra-op thread, as the rank
     processes have: torch.set_num_threads is process-wide, so it is set around the spawn)."""
-    return _on_threads(FAST, str(tmp_path_factory.mktemp("threaded_programs")))
+    return _on_threads(RUN, str(tmp_path_factory.mktemp("threaded_programs")))
 
 
 def _on_threads(names, workdir):
@@ -82,6 +84,7 @@ def _check(got, want, name, where):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name", FAST)
 def test_program_on_shm_matches_gloo(process_runs, name):
+    _skip_if_unsupported(name)
     for rank, runs in enumerate(process_runs):
         _check(runs["shm"][name], runs["gloo"][name], name, f"shm rank {rank}")
 
@@ -89,8 +92,15 @@ def test_program_on_shm_matches_gloo(process_runs, name):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name", FAST)
 def test_program_on_threaded_matches_gloo(process_runs, threaded_runs, name):
+    _skip_if_unsupported(name)
     for rank, runs in enumerate(process_runs):
         _check_threaded(threaded_runs, rank, runs["gloo"][name], name)
+
+
+def _skip_if_unsupported(name):
+    why = PROGRAMS[name].unsupported(TORCH_VERSION)
+    if why:
+        pytest.skip(f"{name} {why}")
 
 
 def _check_threaded(threaded_runs, rank, want, name):

@@ -417,7 +417,12 @@ def _async_many(rank, ws, count):
     deadline = time.monotonic() + 60
     while len(done) < count and time.monotonic() < deadline:
         time.sleep(0.01)  # then-callbacks may run just after wait() returns
-    assert done == list(range(count)), "async ops did not complete in issue order"
+    if done != list(range(count)):
+        first = next((k for k, (a, b) in enumerate(zip(done, range(count))) if a != b),
+                     min(len(done), count))
+        raise AssertionError(f"async ops did not complete in issue order: {len(done)} of "
+                             f"{count} callbacks ran, first out of order at {first}: "
+                             f"{done[max(0, first - 3):first + 5]}")
     return True
 
 

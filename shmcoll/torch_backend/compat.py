@@ -9,11 +9,13 @@ oldest supported torch).
 | what | where it differs |
 |---|---|
 | PREMUL_SUM's factor | `ReduceOp.factor` exists from torch 2.13; every version pickles the op as `(RedOpType.PREMUL_SUM, factor)` through `__getstate__` |
+| `opts.asyncOp` | the collective options say whether the front end waits at once only on newer torch (absent in 2.4); without it the adapter's latency path (fast.py), which runs a call on the caller's thread, is off |
 """
 
 import torch
+import torch.distributed
 
-__all__ = ["TORCH_VERSION", "premul_factor"]
+__all__ = ["TORCH_VERSION", "OPTIONS_HAVE_ASYNC_OP", "premul_factor"]
 
 
 def _version_tuple(text):
@@ -25,6 +27,10 @@ def _version_tuple(text):
 
 
 TORCH_VERSION = _version_tuple(torch.__version__)  # (major, minor, patch)
+
+# The front end sets opts.asyncOp = not async_op before calling the ProcessGroup; older
+# torch has no such field, so a call cannot know that its caller waits at once.
+OPTIONS_HAVE_ASYNC_OP = hasattr(torch.distributed.AllreduceOptions(), "asyncOp")
 
 
 def premul_factor(op):

@@ -74,6 +74,10 @@ def tensor_array(t, typestr):
     freeing the storage while a collective on it is in flight is the caller's error, as
     with every backend (gloo keeps the raw pointer too).
     """
+    if t.numel() == 0:
+        # nothing to share; an empty tensor's data_ptr() may be 0, which numpy < 2.3
+        # refuses in an array interface
+        return np.empty(tuple(t.shape), dtype=typestr)
     itemsize = t.element_size()
     m = _Memory()
     m.tensor = t
@@ -103,6 +107,8 @@ def plain_array(t):
     until another live tensor occupies the same range with the same dtype and shape, and
     then the range is that tensor's memory.
     """
+    if t.numel() == 0:
+        return np.empty(tuple(t.shape), dtype=_TYPESTR[t.dtype])  # see tensor_array
     key = (t.data_ptr(), t.dtype, t.shape)
     array = _PLAIN.get(key)
     if array is None:

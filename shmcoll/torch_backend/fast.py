@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as _c10d
 
 from ..ops import ReduceOp
+from .compat import OPTIONS_HAVE_ASYNC_OP
 from .convert import plain_array
 
 __all__ = ["allreduce_inline", "broadcast_inline", "all_gather_single_inline",
@@ -65,9 +66,9 @@ def _bytes_plain(t):
 def _ready(pg, opts):
     """Synchronous, not coalescing, group healthy: the inline path may run (a poisoned
     group takes the general path, which words the "aborted after an earlier failure"
-    error)."""
-    return not opts.asyncOp and pg._coalescing is None and pg.group.poisoned is None \
-        and pg._inline_ok
+    error). On a torch whose options cannot say "synchronous" (compat) it never runs."""
+    return OPTIONS_HAVE_ASYNC_OP and not opts.asyncOp and pg._coalescing is None \
+        and pg.group.poisoned is None and pg._inline_ok
 
 
 def _timeout_s(pg, opts):

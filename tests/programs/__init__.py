@@ -8,7 +8,9 @@ cloned to plain CPU tensors. `workdir` is a directory every rank of the run shar
 (checkpoints). Programs register themselves with @program in the modules below; the
 registry keeps their order. `compare` says how a run is held against gloo's: BITWISE, or
 (rtol, atol) with the reason the reduction order differs. A program torch itself cannot
-run on CPU says why in `torch_fails`: gloo must fail, and "shm"/"threaded" the same way.
+run on CPU says why in `torch_fails`: gloo must fail, and "shm"/"threaded" the same way. A
+program that needs a newer torch than the oldest the package supports says so in `since`
+((major, minor), what it needs); on an older torch it is skipped with that reason.
 """
 
 import dataclasses
@@ -31,17 +33,24 @@ class Program:
     # threads share: on threads only `keys` are held against gloo, and the parameters
     # (keys without "loss") must agree across the ranks
     threads_rng: tuple = ()
+    since: tuple = ()  # ((major, minor), what needs it): skipped on an older torch
+
+    def unsupported(self, torch_version):
+        """Why this torch cannot run the program (None when it can)."""
+        if self.since and tuple(torch_version[:2]) < tuple(self.since[0]):
+            return f"needs torch >= {'.'.join(map(str, self.since[0]))}: {self.since[1]}"
+        return None
 
 
 _REGISTRY = {}
 
 
-def program(name, compare=BITWISE, slow=False, torch_fails="", threads_rng=()):
+def program(name, compare=BITWISE, slow=False, torch_fails="", threads_rng=(), since=()):
     """Register `fn` as program `name` (a decorator)."""
     def register(fn):
         if name in _REGISTRY:
             raise ValueError(f"program {name!r} registered twice")
-        _REGISTRY[name] = Program(name, fn, compare, slow, torch_fails, threads_rng)
+        _REGISTRY[name] = Program(name, fn, compare, slow, torch_fails, threads_rng, since)
         return fn
     return register
 

@@ -12,10 +12,16 @@ import functools
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffload, CPUOffloadPolicy, MixedPrecision
+from torch.distributed.fsdp import CPUOffload, MixedPrecision
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.distributed.fsdp import MixedPrecisionPolicy, ShardingStrategy, fully_shard
+from torch.distributed.fsdp import ShardingStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+try:
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+except ImportError:  # torch < 2.6: FSDP2 is a private prototype (the programs say `since`)
+    CPUOffloadPolicy = MixedPrecisionPolicy = fully_shard = None
+_FSDP2 = ((2, 6), "FSDP2's public fully_shard")
 
 from . import program
 from .common import batches, mlp, params, snapshot
@@ -57,8 +63,11 @@ program("fsdp1_cpu_offload", torch_fails="FSDP1's CPU offload pins the sharded p
     _fsdp1(cpu_offload=CPUOffload(offload_params=True)))
 
 
-def _fsdp2(**kw):
+def _fsdp2(options=dict):
+    """options() -> fully_shard's keyword arguments (made when the program runs: the
+    policy classes do not exist on a torch older than `_FSDP2`)."""
     def run(rank, world_size, workdir):
+        kw = options()
         mesh = init_device_mesh("cpu", (world_size,))
         model = mlp(depth=4)
         for layer in model:
@@ -71,8 +80,10 @@ def _fsdp2(**kw):
     return run
 
 
-program("fsdp2_fully_shard")(_fsdp2())
-program("fsdp2_mixed_precision_bf16")(_fsdp2(mp_policy=MixedPrecisionPolicy(
-    param_dtype=torch.bfloat16, reduce_dtype=torch.float32)))
-program("fsdp2_cpu_offload")(_fsdp2(offload_policy=CPUOffloadPolicy(pin_memory=False)))
-program("fsdp2_reshard_after_forward_false")(_fsdp2(reshard_after_forward=False))
+program("fsdp2_fully_shard", since=_FSDP2)(_fsdp2())
+program("fsdp2_mixed_precision_bf16", since=_FSDP2)(_fsdp2(lambda: dict(
+    mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))))
+program("fsdp2_cpu_offload", since=_FSDP2)(_fsdp2(lambda: dict(
+    offload_policy=CPUOffloadPolicy(pin_memory=False))))
+program("fsdp2_reshard_after_forward_false", since=_FSDP2)(_fsdp2(lambda: dict(
+    reshard_after_forward=False)))

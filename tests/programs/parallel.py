@@ -12,7 +12,11 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+try:
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+except ImportError:  # torch < 2.5: DTensor's API is private (torch.distributed._tensor)
+    from torch.distributed._tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from . import program
