@@ -47,7 +47,7 @@ SLEEP_MIN_S = 20e-6
 SLEEP_MAX_S = 1e-3
 # A futex sleep's bound only decides how often a sleeper wakes for nothing, to look at the
 # deadline and peer liveness: every wake up costs the CPU that oversubscribed ranks need.
-# benchmarks/hier_ab.py, 2 namespaced hosts x 2 ranks on the 2-core VM, all_reduce, time
+# lab/hier_ab.py, 2 namespaced hosts x 2 ranks on the 2-core VM, all_reduce, time
 # over 20 us doubling to 1 ms (20 blocks, two runs): 1 ms to 8 ms: 8 B 0.84-0.92, 512 B
 # 0.87-0.97, 4 KiB 0.88-0.89; 1 ms flat 0.88-0.98; 200 us to 4 ms 0.92-0.99.
 FUTEX_SLEEP_MIN_S = 1e-3

@@ -30,7 +30,7 @@ __all__ = ["broadcast", "all_gather", "gather", "scatter", "all_to_all", "barrie
 
 _P2P_TAG = 1  # intra-node point-to-point of the contact: the engine group's only p2p user
 # all_gather on nodes of equal size takes _all_gather_split from this input size per rank.
-# benchmarks/hier_ab.py, 2 namespaced hosts x 2 ranks on the 2-core VM, split / one intra
+# lab/hier_ab.py, 2 namespaced hosts x 2 ranks on the 2-core VM, split / one intra
 # step after the exchange, two runs each: 2 KiB 1.04, 1.10; 8 KiB 0.97, 1.02; 32 KiB 1.07,
 # 0.86; 64 KiB 0.86, 0.90; 256 KiB 0.74, 0.78; 1 MiB 0.68, 0.69; 4 MiB 0.66, 0.68; 16 MiB
 # 0.63, 0.64.

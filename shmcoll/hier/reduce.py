@@ -35,7 +35,7 @@ __all__ = ["all_reduce", "reduce_scatter", "reduce", "exchange_reduce", "level_o
 # Leaders vs sharded (all_reduce, broadcast, reduce_scatter_tensor; config
 # hier_shard_min_nbytes): sharding trades one exchange of the whole partial for L parallel
 # exchanges of 1/L of it, and pays an intra-node reduce-scatter + all-gather for it.
-# benchmarks/hier_ab.py, 2 namespaced hosts x 2 ranks on the 2-core VM (one machine: the
+# lab/hier_ab.py, 2 namespaced hosts x 2 ranks on the 2-core VM (one machine: the
 # "network" costs CPU like everything else), sharded / leaders time, two runs (load 7-10):
 # 64 KiB 1.22, 1.55; 256 KiB 0.99, 1.28; 1 MiB 0.93, 0.99; 4 MiB 1.11, 1.13; 16 MiB 0.93,
 # 0.92; 64 MiB 0.87. With a NIC per local rank (GPU nodes) sharding pays far earlier.

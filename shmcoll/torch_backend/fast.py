@@ -48,7 +48,7 @@ _FAST_DTYPES = {torch.float32: _FLOAT_OPS, torch.float64: _FLOAT_OPS,
 _COMPLEX = {torch.complex64, torch.complex128}
 _NUMPY_DTYPES = set(_FAST_DTYPES) | _COMPLEX
 
-_array = plain_array  # the tensor's memory as numpy (benchmarks/adapter_ab.py swaps it)
+_array = plain_array  # the tensor's memory as numpy (lab/adapter_ab.py swaps it)
 
 
 def _plain(t):

@@ -2,8 +2,8 @@
 then ProcessGroupShm when every rank is on one node) against "shm_direct", a creator that
 builds ProcessGroupShm at once (what "shm" did before several nodes existed).
 
-    python -m benchmarks.one_node_ab                      # 2 and 4 ranks, 5 rounds
-    python -m benchmarks.one_node_ab --world-sizes 2 --rounds 9 \
+    python -m lab.one_node_ab                      # 2 and 4 ranks, 5 rounds
+    python -m lab.one_node_ab --world-sizes 2 --rounds 9 \
         --out docs/results/one_node_ab.jsonl
 
 The same processes alternate: init A, time, destroy, init B, time, destroy, ... (A/B order
@@ -78,7 +78,7 @@ def _rank(rank, n, workdir, rounds, calls, blocks, queue):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.one_node_ab",
+    ap = argparse.ArgumentParser(prog="python -m lab.one_node_ab",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--world-sizes", default="2,4")
     ap.add_argument("--rounds", type=int, default=5)

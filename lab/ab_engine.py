@@ -2,8 +2,8 @@
 in blocks of calls, so both see the same machine moments (for kernel changes, on a
 machine whose load moves).
 
-    python -m benchmarks.ab_engine --base 99d83ec                    # 8 B, 1 MiB, 16 MiB
-    python -m benchmarks.ab_engine --base 99d83ec --sizes 8,64K --blocks 40
+    python -m lab.ab_engine --base 99d83ec                    # 8 B, 1 MiB, 16 MiB
+    python -m lab.ab_engine --base 99d83ec --sizes 8,64K --blocks 40
 
 The base revision is exported (git archive) and imported as package `shmcoll_ab_base`
 (its torch registration skipped); this tree is `shmcoll`. Each rank makes one group per
@@ -85,7 +85,7 @@ def _rank(rank, path, args, queue):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.ab_engine",
+    ap = argparse.ArgumentParser(prog="python -m lab.ab_engine",
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--base", required=True, help="git revision (version A)")
     ap.add_argument("--sizes", default="8,1M,16M")

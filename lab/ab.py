@@ -1,7 +1,7 @@
 """A/B of two versions of this repository through benchmarks.bench, alternating in one run.
 
-    python -m benchmarks.ab --base 99d83ec --rounds 4 -- --quick --backends shm
-    python -m benchmarks.ab --base 99d83ec -- --latency --backends shm --world-sizes 2
+    python -m lab.ab --base 99d83ec --rounds 4 -- --quick --backends shm
+    python -m lab.ab --base 99d83ec -- --latency --backends shm --world-sizes 2
 
 `--base` is a git revision of this repository (exported with `git archive` into a temporary
 directory) or a directory holding another copy. Every round runs `python -m benchmarks.bench

@@ -2,8 +2,8 @@
 pins the tensor's storage: it can never be resized again) against the array interface
 (`convert.plain_array` / `convert.tensor_array`, the tensor left as it was).
 
-    python -m benchmarks.adapter_ab                       # 8 B and 1 MiB, 2 ranks, 12 rounds
-    python -m benchmarks.adapter_ab --sizes 8,1M,64K --rounds 20 --out results/ab.jsonl
+    python -m lab.adapter_ab                       # 8 B and 1 MiB, 2 ranks, 12 rounds
+    python -m lab.adapter_ab --sizes 8,1M,64K --rounds 20 --out results/ab.jsonl
 
 Two ranks (spawned processes, backend "shm", file:// rendezvous) run `dist.all_reduce` of
 float32 tensors in blocks of calls. Each round runs, per size and path, one block with

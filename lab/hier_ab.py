@@ -3,7 +3,7 @@ for tuning: every variant is a process group of the same ranks, created with its
 SHMCOLL_* settings, and the variants take turns block by block (so load swings hit all of
 them alike). Results are verified.
 
-    python -m benchmarks.hier_ab --op all_reduce --sizes 64K,1M,16M \\
+    python -m lab.hier_ab --op all_reduce --sizes 64K,1M,16M \\
         --variant leaders:SHMCOLL_HIER_SHARD_MIN_BYTES=1073741824 \\
         --variant sharded:SHMCOLL_HIER_SHARD_MIN_BYTES=0 --variant gloo:gloo
 
@@ -79,7 +79,7 @@ def _worker(cfg_path):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.hier_ab",
+    ap = argparse.ArgumentParser(prog="python -m lab.hier_ab",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--hosts", type=int, default=2)
@@ -104,7 +104,7 @@ def main(argv=None):
            "sizes": [parse_size(s) for s in args.sizes.split(",")], "out": str(work / "out")}
     (work / "cfg.json").write_text(json.dumps(cfg))
     with Hosts(args.hosts) as hosts:
-        procs = hosts.torchrun(args.ranks_per_host, ["-m", "benchmarks.hier_ab", "--worker",
+        procs = hosts.torchrun(args.ranks_per_host, ["-m", "lab.hier_ab", "--worker",
                                                      str(work / "cfg.json")], cwd=REPO)
         codes = [p.wait(3600) for p in procs]
     if any(codes):
