@@ -11,6 +11,7 @@ import pytest
 import harness
 import hier_cases
 from shmcoll import FileStore, config
+from shmcoll.errors import SegmentError
 from shmcoll.hier import NodeLayout, discover, identity, nodes, wire
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.torch]
@@ -80,6 +81,56 @@ def test_discover_splits_a_rank_that_cannot_read_its_leaders_probe(tmp_path, mon
     monkeypatch.setattr(nodes, "_read_probe", read)
     layout = _discover_threads([{}, {}, {}], tmp_path)
     assert layout.num_nodes == 2 and sorted(map(len, layout.nodes)) == [1, 2]
+
+
+def test_discover_on_a_store_left_by_a_crashed_start_fails_fast_and_says_why(tmp_path):
+    """A store kept across a restart (torchrun's agent store) that holds an unfinished
+    discovery: rank 0's earlier process began generation 1 and wrote its id, rank 1's died
+    before it began. Now rank 0 is at generation 2 and rank 1 at 1 and they never meet.
+    Rank 1 (behind: rank 0's counter is past its own) fails at its first look, long before
+    its 600 s timeout, naming the generations and the per-attempt store; rank 0 (ahead by
+    one: rank 1 might only be late) times out as before."""
+    store = FileStore(str(tmp_path / "store"))
+    store.add(nodes._gen_key(0), 1)  # the dead process's traces
+    store.set("shmcoll/nodes/1/id/0", "host\nboot\nauto:x\n/shmcoll-gone\n00")
+    errors = _discover_failures(store, {0: 3.0, 1: 600.0})
+    assert "node discovery: rank 1 is at rendezvous generation 1 of this store, rank 0 " \
+        "at 2" in str(errors[1]) and "TORCHELASTIC_RESTART_COUNT" in str(errors[1])
+    assert str(errors[0]) == "node discovery: timed out after 3.0 s waiting for store keys " \
+        "['shmcoll/nodes/2/id/1']"
+
+
+def test_discover_fails_fast_when_a_rank_is_two_generations_behind(tmp_path):
+    """Rank 1's counter two behind rank 0's is no late arrival (that is one behind): a
+    generation rank 0 began never had rank 1, and never will."""
+    store = FileStore(str(tmp_path / "store"))
+    store.add(nodes._gen_key(0), 2)
+    errors = _discover_failures(store, {0: 600.0})
+    assert str(errors[0]).startswith("node discovery: rank 0 is at rendezvous generation 3 "
+                                     "of this store, rank 1 at 0: ")
+
+
+def _discover_failures(store, timeouts):
+    """{rank: error} of discover(store, rank, 2) on a thread per rank in `timeouts`."""
+    errors = {}
+
+    def rank(r, timeout_s):
+        try:
+            discover(store, r, 2, timeout_s, config.from_env({}))
+        except Exception as e:  # checked by the caller
+            errors[r] = e
+
+    threads = [threading.Thread(target=rank, args=item, daemon=True)
+               for item in timeouts.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "discovery did not end (a 600 s wait)"
+    assert sorted(errors) == sorted(timeouts), errors
+    for e in errors.values():
+        assert isinstance(e, SegmentError), e
+    return errors
 
 
 def test_first_round_frames_compare_headers():

@@ -258,11 +258,8 @@ def test_ddp_step_on_threads_equals_single_process():
         g = torch.Generator().manual_seed(100 + rank)
         return torch.randn(batch, 5, generator=g), torch.randn(batch, 2, generator=g)
 
-    seed_lock = threading.Lock()  # rank threads share torch's global RNG
-
     def new_model():
-        with seed_lock:
-            torch.manual_seed(0)
+        with threaded_pg.rng_lock(seed=0):  # rank threads share torch's global RNG
             return torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(),
                                        torch.nn.Linear(8, 2))
 

@@ -6,16 +6,22 @@ construction releases the GIL may; all ranks start building it at once (a barrie
 the lock the ranks' draws interleave and their models differ from the single-process one
 (the hazard, checked so the test cannot pass vacuously); inside rng_lock(seed) every rank
 gets the single-process model, spawn after spawn.
+
+The seed watch (issue 23): while a spawn runs, a rank thread reseeding torch's default
+generator outside rng_lock gets one SharedRNGWarning per spawn, naming rng_lock; the main
+thread, sections and code outside spawns do not; the originals are back after the spawn.
 """
 
 import threading
 import time
+import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import threaded_pg
+from shmcoll.torch_backend import compat
 
 pytestmark = [pytest.mark.torch, pytest.mark.timeout(120)]
 
@@ -57,7 +63,8 @@ def test_without_the_lock_rank_threads_interleave_their_draws():
     """The hazard rng_lock exists for (documented in README and THREADED_PG.md)."""
     reference = _reference()
     barrier = threading.Barrier(WORLD_SIZE)
-    models = threaded_pg.spawn(lambda r, n: _build(False, barrier), WORLD_SIZE)
+    with pytest.warns(threaded_pg.SharedRNGWarning, match="outside threaded_pg.rng_lock"):
+        models = threaded_pg.spawn(lambda r, n: _build(False, barrier), WORLD_SIZE)
     assert not all(_same(m, reference) for m in models)
 
 
@@ -115,3 +122,124 @@ def test_waiting_for_the_turn_ends_with_the_spawn():
     assert "rank 1: shmcoll.errors.GroupAbortedError: rank 1: threaded_pg.rng_lock: the " \
            "spawn was aborted" in str(info.value), str(info.value)
     assert time.monotonic() - t0 < 10
+
+
+# -- the seed watch: torch.manual_seed in a rank thread, outside rng_lock, warns ------------
+
+
+def _seed_warnings(record):
+    return [w for w in record if issubclass(w.category, threaded_pg.SharedRNGWarning)]
+
+
+def _spawn_recording(body, world_size=2):
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        threaded_pg.spawn(body, world_size, timeout=30)
+    return _seed_warnings(record)
+
+
+@pytest.mark.parametrize("seeder", ["torch.manual_seed", "torch.random.manual_seed",
+                                    "torch.seed", "torch.random.seed", "imported_earlier"])
+def test_seeding_in_rank_threads_warns_once_per_spawn_naming_rng_lock(seeder):
+    from torch import manual_seed  # bound before the spawn: still caught on torch 2.13
+
+    call = {"torch.manual_seed": lambda: torch.manual_seed(0),
+            "torch.random.manual_seed": lambda: torch.random.manual_seed(0),
+            "torch.seed": lambda: torch.seed(), "torch.random.seed": lambda: torch.random.seed(),
+            "imported_earlier": lambda: manual_seed(0)}[seeder]
+    if seeder == "imported_earlier" and compat.rng_seed_hooks()[0][1] != "_manual_seed_impl":
+        pytest.skip(f"torch {torch.__version__}: torch.manual_seed has no inner function to "
+                    f"wrap, so a name bound before the spawn is not caught")
+
+    def body(rank, world_size):
+        for _ in range(3):
+            call()
+
+    for _ in range(2):  # each spawn warns again (a pytest session's later tests are told)
+        found = _spawn_recording(body, 3)
+        assert len(found) == 1, [str(w.message) for w in found]
+        text = str(found[0].message)
+        assert "threaded_pg.rng_lock" in text and "outside" in text, text
+        public = "torch.seed" if seeder.endswith("seed") and "manual" not in seeder \
+            else "torch.manual_seed"
+        assert f"called {public}()" in text, text
+        assert found[0].filename == __file__, found[0].filename  # points at the caller
+
+
+def test_no_warning_inside_rng_lock():
+    def body(rank, world_size):
+        with threaded_pg.rng_lock(seed=0):
+            torch.manual_seed(1)  # an explicit reseed inside the section is fine
+            torch.seed()
+            torch.randn(2)
+
+    assert _spawn_recording(body) == []
+
+
+def test_no_warning_in_the_main_thread_during_a_spawn():
+    before = _originals()
+    entered, release = threading.Barrier(3), threading.Event()
+
+    def body(rank, world_size):
+        entered.wait()
+        release.wait(10)
+
+    def seed_while_running():
+        entered.wait()
+        try:
+            torch.manual_seed(0)  # the main thread, while the spawn's watch is installed
+            torch.seed()
+            assert _wrapped(before), "the watch was not installed during the spawn"
+        finally:
+            release.set()
+
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        runner = threading.Thread(target=lambda: threaded_pg.spawn(body, 2, timeout=30))
+        runner.start()
+        seed_while_running()
+        runner.join(30)
+    assert not runner.is_alive()
+    assert _seed_warnings(record) == []
+
+
+def test_no_warning_outside_a_spawn():
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        torch.manual_seed(0)
+        torch.seed()
+    assert _seed_warnings(record) == []
+
+
+def _wrapped(before):
+    """Some seeding function differs from what _originals() gave (a spawn wraps them)."""
+    return any(getattr(module, attribute) is not original
+               for module, attribute, original in before)
+
+
+def _originals():
+    return [(module, attribute, getattr(module, attribute))
+            for module, attribute, _public in compat.rng_seed_hooks()]
+
+
+def test_the_seeding_functions_are_restored_after_the_spawn():
+    before = _originals()
+    public = (torch.manual_seed, torch.random.manual_seed, torch.seed, torch.random.seed)
+    seen = []
+
+    def body(rank, world_size):
+        seen.append(_wrapped(before))
+
+    threaded_pg.spawn(body, 2, timeout=30)
+    assert seen == [True, True], "nothing was wrapped during the spawn"
+    for module, attribute, original in before:
+        assert getattr(module, attribute) is original, f"{module.__name__}.{attribute}"
+    assert (torch.manual_seed, torch.random.manual_seed, torch.seed, torch.random.seed) == public
+
+    def failing(rank, world_size):
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError):
+        threaded_pg.spawn(failing, 2, timeout=30)  # a failed spawn restores them too
+    for module, attribute, original in before:
+        assert getattr(module, attribute) is original, f"{module.__name__}.{attribute}"

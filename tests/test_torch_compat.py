@@ -51,3 +51,34 @@ def test_version_tuple():
     assert compat._version_tuple("2.14.0a0+git1234") == (2, 14, 0)
     assert compat._version_tuple("2.4.1") == (2, 4, 1)
     assert compat.TORCH_VERSION[:2] == tuple(int(x) for x in torch.__version__.split(".")[:2])
+
+
+def test_rng_seed_hooks_catch_every_public_seeding_call():
+    """Every way a user reseeds the default generator passes through a hook (wrapped here
+    for the duration of the test, as threaded_pg's seed watch does during a spawn)."""
+    from torch.random import manual_seed as bound_before  # a name taken before the wrap
+
+    hooks = compat.rng_seed_hooks()
+    calls = []
+    saved = [(m, a, getattr(m, a)) for m, a, _ in hooks]
+    wrappers = {}
+    for (module, attribute, original), (_, _, public) in zip(saved, hooks):
+        if id(original) not in wrappers:
+            def wrapper(*args, _original=original, _public=public, **kwargs):
+                calls.append(_public)
+                return _original(*args, **kwargs)
+            wrappers[id(original)] = wrapper
+        setattr(module, attribute, wrappers[id(original)])
+    try:
+        torch.manual_seed(0)
+        torch.random.manual_seed(0)
+        torch.seed()
+        torch.random.seed()
+        expected = ["torch.manual_seed"] * 2 + ["torch.seed"] * 2
+        if hooks[0][1] == "_manual_seed_impl":  # torch 2.13: the inner function
+            bound_before(0)
+            expected.append("torch.manual_seed")
+    finally:
+        for module, attribute, original in saved:
+            setattr(module, attribute, original)
+    assert calls == expected

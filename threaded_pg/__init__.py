@@ -6,7 +6,8 @@ in-process regions with the shm protocol (threaded_pg.arena).
 With torch installed, importing threaded_pg also registers the torch.distributed backend
 "threaded" (or "shmcoll_threaded" when torch's own threaded PG holds that name) and exports
 spawn(), the @ranks(n) decorator, ThreadedTestCase, and rng_lock() (rank threads share
-torch's RNG: threaded_pg/rng.py).
+torch's RNG: threaded_pg/rng.py; reseeding it in a rank thread outside rng_lock warns,
+SharedRNGWarning).
 """
 
 from .group import Rendezvous, new_threaded_group
@@ -21,14 +22,15 @@ def _load_torch_part():
         import torch.distributed  # noqa: F401
     except ImportError:
         return  # numpy-only install: the engine works without torch
-    global spawn, ranks, ThreadedTestCase, backend_name, rng_lock
+    global spawn, ranks, ThreadedTestCase, backend_name, rng_lock, SharedRNGWarning
     from .backend import backend_name, register
-    from .rng import rng_lock
+    from .rng import SharedRNGWarning, rng_lock
     from .spawn import spawn
     from .testing import ThreadedTestCase, ranks
 
     register()
-    __all__.extend(["spawn", "ranks", "ThreadedTestCase", "backend_name", "rng_lock"])
+    __all__.extend(["spawn", "ranks", "ThreadedTestCase", "backend_name", "rng_lock",
+                    "SharedRNGWarning"])
 
 
 _load_torch_part()

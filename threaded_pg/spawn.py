@@ -4,7 +4,9 @@ process group (backend "threaded") initialised before and destroyed after.
 Each rank thread gets its own torch.distributed world (threaded_pg.world), so dist.get_rank(),
 dist.all_reduce, dist.new_group, object collectives, DDP, ... work unchanged; every spawn
 has its own HashStore and its own Rendezvous, so spawns (one after another, or concurrently
-from several threads) never meet. Failure and timeout semantics: threaded_pg.runner.
+from several threads) never meet. While it runs, a rank thread that reseeds torch's shared
+generator outside rng_lock is warned (threaded_pg.rng). Failure and timeout semantics:
+threaded_pg.runner.
 """
 
 import datetime
@@ -12,7 +14,7 @@ import threading
 
 import torch.distributed as dist
 
-from . import world
+from . import rng, world
 from .backend import backend_name
 from .runner import DEFAULT_TIMEOUT_S, _Run
 
@@ -57,11 +59,18 @@ class _Spawn(_Run):
         self.backend = backend_name()
 
     # One reference on the thread-local world for the spawn and one per rank thread, so a
-    # rank thread left behind after a timeout keeps its world until it ends.
+    # rank thread left behind after a timeout keeps its world until it ends. The seed watch
+    # (rng.py) lasts as long as the spawn.
     def _enter(self):
         world.install()
+        try:
+            rng.watch_seeding()
+        except BaseException:
+            world.uninstall()
+            raise
 
     def _leave(self):
+        rng.unwatch_seeding()
         world.uninstall()
 
     def _thread_enter(self, rank):

@@ -144,14 +144,15 @@ def discover(store, rank, world_size, timeout_s, cfg):
     if world_size == 1:
         return NodeLayout((0,), (socket.gethostname(),), (boot_id(),))
     deadline = _deadline(timeout_s)
-    gen = store.add(f"shmcoll/nodes/gen/{rank}", 1)
+    gen = store.add(_gen_key(rank), 1)
     base = f"shmcoll/nodes/{gen}"
+    reused = functools.partial(_reused_store, store, rank, gen)
     probe, token = _create_probe()  # read by the members if this rank leads its node
     try:
         store.set(f"{base}/id/{rank}", "\n".join(
             (socket.gethostname(), boot_id(), identity(cfg), probe, token.hex())))
         values = _get_all(store, [f"{base}/id/{r}" for r in range(world_size)], deadline,
-                          timeout_s)
+                          timeout_s, reused)
         hosts, machines, keys, probes, tokens = zip(*(v.split("\n") for v in values))
         layout = NodeLayout.from_keys(keys, hosts, machines)
         leader = layout.nodes[layout.node_of[rank]][0]
@@ -160,7 +161,7 @@ def discover(store, rank, world_size, timeout_s, cfg):
         ok = leader == rank or _read_probe(probes[leader]) == bytes.fromhex(tokens[leader])
         store.set(f"{base}/ok/{rank}", "1" if ok else "0")
         oks = _get_all(store, [f"{base}/ok/{r}" for r in range(world_size)], deadline,
-                       timeout_s)
+                       timeout_s, reused)
     finally:
         _unlink(probe)  # every member has answered (or this rank gives up)
     if all(v == "1" for v in oks):
@@ -215,19 +216,63 @@ def _deadline(timeout_s):
     return time.monotonic() + timeout_s
 
 
-def _get_all(store, keys, deadline, timeout_s):
+def _gen_key(rank):
+    """Rank `rank`'s count of the groups it began to discover on this store."""
+    return f"shmcoll/nodes/gen/{rank}"
+
+
+# How often a discovery that waits looks at the peers' generation counters (_reused_store).
+_REUSED_CHECK_S = 0.5
+
+
+def _reused_store(store, rank, gen, missing):
+    """Why the ranks in `missing` cannot come, when the store says so; else None.
+
+    Each rank counts the discoveries it began on the store (gen), so all ranks of one group
+    agree on the keys' generation -- as long as every rank that began one took part in it.
+    A rank that died before it began its group's discovery while its peers had begun
+    theirs (a crash at start-up) leaves the counters apart for good: in the next set of
+    processes on the same store (a torchrun restart: the agent keeps one store for every
+    attempt) the ranks wait under different generations, attempt after attempt. A rank we
+    wait for whose counter is past ours shows it (a rank that finished our generation and
+    went on has written every key of it), and so does one two or more behind (one behind
+    is a rank that has not arrived yet)."""
+    gens = {r: store.add(_gen_key(r), 0) for r in missing}
+    if all(gen - 1 <= g <= gen for g in gens.values()):
+        return None
+    where = ", ".join(f"rank {r} at {g}" for r, g in sorted(gens.items()))
+    return (f"rank {rank} is at rendezvous generation {gen} of this store, {where}: the "
+            f"store holds an unfinished group set-up of processes that are gone (a rank died "
+            f"before it created the group while its peers were creating theirs), and the "
+            f"ranks will not meet in it. torchrun keeps one store for every attempt of an "
+            f"elastic job: give each attempt its own, "
+            f"PrefixStore(f\"attempt{{os.environ['TORCHELASTIC_RESTART_COUNT']}}\", store) "
+            f"(docs/RECIPES.md)")
+
+
+def _get_all(store, keys, deadline, timeout_s, reused=None):
     """Values of `keys` (str), waiting until `deadline`: store.check polled with backoff from
     100 us (c10d FileStore.wait sleeps 10 ms between its own checks), then one multi_get
-    where the store has it (c10d stores), else one get per key."""
+    where the store has it (c10d stores), else one get per key. keys[r] is rank r's:
+    `reused(missing ranks)` (discover's _reused_store) is asked every _REUSED_CHECK_S of
+    waiting and at the deadline; a reason it gives ends the wait."""
     check = getattr(store, "check", None)
     if check is None:
         return [_wait_key(store, k, deadline, timeout_s, f"store key {k!r}") for k in keys]
     delay = 1e-4
+    next_look = time.monotonic() + _REUSED_CHECK_S
     while not check(keys):
-        if time.monotonic() > deadline:
-            missing = [k for k in keys if not check([k])]
-            raise SegmentError(f"node discovery: timed out after {timeout_s} s waiting for "
-                               f"store keys {missing}")
+        now = time.monotonic()
+        if now > deadline or (reused is not None and now > next_look):
+            missing = [r for r, k in enumerate(keys) if not check([k])]
+            why = reused(missing) if reused is not None else None
+            if now > deadline:
+                raise SegmentError(f"node discovery: timed out after {timeout_s} s waiting "
+                                   f"for store keys {[keys[r] for r in missing]}"
+                                   + (f"; {why}" if why else ""))
+            if why:
+                raise SegmentError(f"node discovery: {why}")
+            next_look = now + _REUSED_CHECK_S
         time.sleep(delay)
         delay = min(delay * 2, 0.01)
     multi_get = getattr(store, "multi_get", None)

@@ -10,12 +10,13 @@ oldest supported torch).
 |---|---|
 | PREMUL_SUM's factor | `ReduceOp.factor` exists from torch 2.13; every version pickles the op as `(RedOpType.PREMUL_SUM, factor)` through `__getstate__` |
 | `opts.asyncOp` | the collective options say whether the front end waits at once only on newer torch (absent in 2.4); without it the adapter's latency path (fast.py), which runs a call on the caller's thread, is off |
+| where the default generator is reseeded | torch 2.13's `torch.random.manual_seed` calls the module function `_manual_seed_impl` (also what `torch.distributed._local_tensor` calls), so replacing that one name catches `torch.manual_seed` under every alias, the wrapper `torch._dynamo` puts on it at import included; a torch whose `manual_seed` does not call it is caught at its two public names. `torch.seed` is `torch.random.seed` on every version |
 """
 
 import torch
 import torch.distributed
 
-__all__ = ["TORCH_VERSION", "OPTIONS_HAVE_ASYNC_OP", "premul_factor"]
+__all__ = ["TORCH_VERSION", "OPTIONS_HAVE_ASYNC_OP", "premul_factor", "rng_seed_hooks"]
 
 
 def _version_tuple(text):
@@ -62,3 +63,35 @@ def premul_factor(op):
                              f"of shape {tuple(factor.shape)}")
         return float(factor.item())
     return float(factor)
+
+
+def rng_seed_hooks():
+    """Where a call that reseeds torch's default (CPU) generator can be intercepted: a list
+    of `(module, attribute, public name)`, the attributes a caller may replace with a
+    wrapper of the same signature for a while (threaded_pg's seed watch).
+
+    `torch.manual_seed`: where `torch.random.manual_seed` calls the module-level
+    `torch.random._manual_seed_impl` (torch 2.13), that name -- one replacement catches
+    every alias: `torch.manual_seed`, `torch.random.manual_seed`, a `from torch import
+    manual_seed` taken earlier, and the `_disable_dynamo` wrapper that importing
+    torch._dynamo installs as `torch.manual_seed`. Otherwise the two public attributes
+    (they may be one object: a wrapper for it serves both). `torch.seed` is
+    `torch.random.seed`: both attributes.
+
+    Not covered, as on every version: `torch.default_generator.manual_seed()` (a method
+    of a C object) and `torch.set_rng_state` (a restore: torch.utils.checkpoint and
+    `torch.random.fork_rng` call it themselves)."""
+    import torch.random as random
+
+    manual = getattr(random, "manual_seed", None)
+    if manual is None or getattr(random, "seed", None) is None:
+        raise RuntimeError(f"torch {torch.__version__} has no torch.random.manual_seed / "
+                           f"torch.random.seed")
+    code = getattr(manual, "__code__", None)
+    if callable(getattr(random, "_manual_seed_impl", None)) and code is not None \
+            and "_manual_seed_impl" in code.co_names:
+        hooks = [(random, "_manual_seed_impl", "torch.manual_seed")]
+    else:
+        hooks = [(random, "manual_seed", "torch.manual_seed"),
+                 (torch, "manual_seed", "torch.manual_seed")]
+    return hooks + [(random, "seed", "torch.seed"), (torch, "seed", "torch.seed")]
