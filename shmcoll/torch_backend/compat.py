@@ -9,11 +9,16 @@ oldest supported torch).
 | what | where it differs |
 |---|---|
 | PREMUL_SUM's factor | `ReduceOp.factor` exists from torch 2.13; every version pickles the op as `(RedOpType.PREMUL_SUM, factor)` through `__getstate__` |
+| backend autoload | from torch 2.5, `import torch` calls the `torch.backends` entry points (unless TORCH_DEVICE_BACKEND_AUTOLOAD is not "1"): "shm" and "threaded" are registered without an import; on 2.4 `import shmcoll` registers them |
+| oldest torch | 2.4 (not a pip requirement: torch is optional, torch_backend/plugin.py checks it at the first group) |
 """
+
+import os
 
 import torch
 
-__all__ = ["TORCH_VERSION", "premul_factor"]
+__all__ = ["TORCH_VERSION", "OLDEST_TORCH", "AUTOLOAD_FROM", "premul_factor",
+           "require_supported_torch", "autoloads_backends"]
 
 
 def _version_tuple(text):
@@ -25,6 +30,25 @@ def _version_tuple(text):
 
 
 TORCH_VERSION = _version_tuple(torch.__version__)  # (major, minor, patch)
+OLDEST_TORCH = (2, 4)  # the oldest torch shmcoll's adapter is tested on (CI)
+AUTOLOAD_FROM = (2, 5)  # the first torch that runs the `torch.backends` entry points
+
+
+def require_supported_torch():
+    """Raise (ImportError, naming both versions) on a torch older than OLDEST_TORCH: pip
+    does not enforce it, since torch is an optional dependency."""
+    if TORCH_VERSION[:2] < OLDEST_TORCH:
+        raise ImportError(
+            f"shmcoll's backend needs torch >= {'.'.join(map(str, OLDEST_TORCH))}; this is "
+            f"torch {torch.__version__}")
+
+
+def autoloads_backends():
+    """Whether this torch registers "shm" and "threaded" at `import torch` (by calling the
+    installed `torch.backends` entry points): torch >= 2.5 with TORCH_DEVICE_BACKEND_AUTOLOAD
+    unset or "1" (torch's own test of the variable)."""
+    return TORCH_VERSION[:2] >= AUTOLOAD_FROM and \
+        os.getenv("TORCH_DEVICE_BACKEND_AUTOLOAD", "1") == "1"
 
 
 def premul_factor(op):
