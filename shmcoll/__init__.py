@@ -9,15 +9,6 @@ else as soon as torch is.
 
 import importlib
 
-from .errors import (
-    CollectiveMismatchError,
-    CollectiveTimeoutError,
-    GroupAbortedError,
-    PeerLostError,
-    SegmentError,
-    ShmcollError,
-)
-
 __all__ = [
     "Group",
     "ReduceOp",
@@ -38,6 +29,12 @@ _WHERE = {  # name -> the module that defines it (each kernel module imports jit
     "ReduceOp": "ops",
     "new_shm_group": "shm_group",
     "FileStore": "store",
+    "ShmcollError": "errors",
+    "CollectiveTimeoutError": "errors",
+    "PeerLostError": "errors",
+    "GroupAbortedError": "errors",
+    "CollectiveMismatchError": "errors",
+    "SegmentError": "errors",
 }
 
 
