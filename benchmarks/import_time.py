@@ -8,9 +8,10 @@ import torch: every round runs `import torch` twice in fresh interpreters of thi
 environment, once with shmcoll's entry points and once without (importlib.metadata's
 entry_points filtered in that process: torch reads the same metadata in both arms, so the
 difference is the plugins' import and registration), in alternating order; the "with" arm
-also times what runs inside shmcoll's entry points (their modules' import and the call). Needs the entry
-points installed (`pip install -e .`); the arm without them is then the same as an
-environment without shmcoll.
+also times what runs inside shmcoll's entry points (their modules' import and the call).
+Needs the entry points installed (`pip install -e .`); the arm without them is then the
+same as an environment without shmcoll.
+import torch after import shmcoll (autoload off): with its import hook against without it.
 import shmcoll: this tree against `--base` (exported with git archive), each imported with
 TORCH_DEVICE_BACKEND_AUTOLOAD=0 (the base's registration would otherwise look for this
 tree's plugin modules), also alternating; and which of torch, numba, numpy each one loads.
@@ -68,6 +69,29 @@ import torch
 t = time.perf_counter() - t0
 import torch.distributed as dist
 print(json.dumps({"s": t, "plugins_s": sum(spent), "shm": "SHM" in dist.Backend._plugins}))
+'''
+
+_HOOKED_IMPORT_TORCH = r'''
+import json, sys, time
+import shmcoll  # (autoload off) registers through its import hook, when torch.distributed loads
+from shmcoll.torch_backend import import_hook
+watchers = [f for f in sys.meta_path if isinstance(f, import_hook._Watcher)]
+calls = [0]
+if sys.argv[1] == "without":  # no hook: `import shmcoll` after torch would register
+    for f in watchers:
+        sys.meta_path.remove(f)
+else:  # count the finder's calls (wrapping it costs about what it counts: said so below)
+    find_spec = watchers[0].find_spec
+
+    def counted(*a, **kw):
+        calls[0] += 1
+        return find_spec(*a, **kw)
+    watchers[0].find_spec = counted
+t0 = time.perf_counter()
+import torch
+t = time.perf_counter() - t0
+import torch.distributed as dist
+print(json.dumps({"s": t, "calls": calls[0], "shm": "SHM" in dist.Backend._plugins}))
 '''
 
 _IMPORT_SHMCOLL = r'''
@@ -143,6 +167,15 @@ def main(argv=None):
           f"{_quartiles([r['plugins_s'] for r in results['with']])}")
 
     off = dict(env, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    results = _alternate(args.rounds, {
+        "hook": lambda: _run(_HOOKED_IMPORT_TORCH, "with", off, cwd),
+        "no hook": lambda: _run(_HOOKED_IMPORT_TORCH, "without", off, cwd)})
+    _report(f"import torch after import shmcoll, autoload off, {args.rounds} rounds (median "
+            f"[quartiles]); with / without the import hook (its finder counted: "
+            f"{results['hook'][0]['calls']} calls, once per module torch imports)", results)
+    if not all(r["shm"] for r in results["hook"]):
+        print("import hook: 'shm' not registered", file=sys.stderr)
+        return 1
     with tempfile.TemporaryDirectory(prefix="shmcoll-import-time-") as tmp:
         base = Path(tmp) / "base"
         base.mkdir()

@@ -9,8 +9,8 @@ oldest supported torch).
 | what | where it differs |
 |---|---|
 | PREMUL_SUM's factor | `ReduceOp.factor` exists from torch 2.13; every version pickles the op as `(RedOpType.PREMUL_SUM, factor)` through `__getstate__` |
-| backend autoload | from torch 2.5, `import torch` calls the `torch.backends` entry points (unless TORCH_DEVICE_BACKEND_AUTOLOAD is not "1"): "shm" and "threaded" are registered without an import; on 2.4 `import shmcoll` registers them |
-| oldest torch | 2.4 (not a pip requirement: torch is optional, torch_backend/plugin.py checks it at the first group) |
+| backend autoload | from 2.5 `import torch` runs the `torch.backends` entry points (plugin.py) |
+| oldest torch | 2.4: torch is optional, not a pip requirement; the creator checks it |
 """
 
 import os
