@@ -31,9 +31,15 @@ _WITH_TORCH = {
     "rng_lock": "rng",
 }
 
-__all__ = list(_ENGINE)
-if importlib.util.find_spec("torch") is not None:  # looks for torch, does not import it
-    __all__ += list(_WITH_TORCH)
+
+def _torch_installed():
+    try:
+        return importlib.util.find_spec("torch") is not None  # finds it, does not import it
+    except (ImportError, ValueError):
+        return False
+
+
+__all__ = list(_ENGINE) + (list(_WITH_TORCH) if _torch_installed() else [])
 
 
 def __getattr__(name):
