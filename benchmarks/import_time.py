@@ -16,7 +16,8 @@ import shmcoll: this tree against `--base` (exported with git archive), each imp
 TORCH_DEVICE_BACKEND_AUTOLOAD=0 (the base's registration would otherwise look for this
 tree's plugin modules), also alternating; and which of torch, numba, numpy each one loads.
 Times are inside the process (perf_counter around the import statement) and of the
-process (start to exit); medians, with the lower and upper quartile.
+process (start to exit); medians, with the lower and upper quartile. Bytecode is written
+and used (one uncounted run first), whatever PYTHONDONTWRITEBYTECODE says.
 """
 
 import argparse
@@ -148,10 +149,13 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--base", default="main", help="revision for the import shmcoll A/B")
     args = ap.parse_args(argv)
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("TORCH_DEVICE_BACKEND_AUTOLOAD", "PYTHONPATH")}
+    # Bytecode on (as for an installed package): with PYTHONDONTWRITEBYTECODE every run
+    # would compile shmcoll's sources again (~4 ms a module here), which no install does.
+    drop = ("TORCH_DEVICE_BACKEND_AUTOLOAD", "PYTHONPATH", "PYTHONDONTWRITEBYTECODE")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
     env["PYTHONPATH"] = str(_REPO)
     cwd = tempfile.gettempdir()  # not the checkout: `python -c` puts the cwd on sys.path
+    _run(_IMPORT_TORCH, "with", env, cwd)  # writes the .pyc files; not counted
     results = _alternate(args.rounds, {
         "with": lambda: _run(_IMPORT_TORCH, "with", env, cwd),
         "without": lambda: _run(_IMPORT_TORCH, "without", env, cwd)})
@@ -180,6 +184,7 @@ def main(argv=None):
         base = Path(tmp) / "base"
         base.mkdir()
         base_env = dict(off, PYTHONPATH=str(_export(args.base, base)))
+        _run(_IMPORT_SHMCOLL, "", base_env, tmp)  # .pyc files, as above
         results = _alternate(args.rounds, {
             args.base: lambda: _run(_IMPORT_SHMCOLL, "", base_env, tmp),
             "this tree": lambda: _run(_IMPORT_SHMCOLL, "", off, tmp)})
