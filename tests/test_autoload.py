@@ -134,7 +134,6 @@ def test_import_torch_registers_both_without_the_engine(tmp_path):
     """, tmp_path)
 
 
-@needs_autoload
 def test_autoload_off_registers_nothing_until_import_shmcoll(tmp_path):
     _python("""
         import sys
@@ -195,13 +194,15 @@ print("ok")
 """
 
 
-@needs_autoload
 @pytest.mark.parametrize("warnings_filter", ["always", "error"])
 @pytest.mark.parametrize("order", ["entry_points_only", "shmcoll_first"])
 def test_failing_registration_does_not_break_import_torch(tmp_path, order, warnings_filter):
     """A registration that raises (simulated: plugin.register replaced by one that raises,
     as a broken install or an incompatible torch would) costs a warning, not `import torch`;
-    with warnings turned into errors it is silent."""
+    with warnings turned into errors it is silent. shmcoll_first: through the import hook
+    (and the entry points, where they run)."""
+    if order == "entry_points_only" and _autoload_missing():
+        pytest.skip(_autoload_missing())
     code = f"ORDER, WARNINGS = {order!r}, {warnings_filter!r}\n" + FAILING_REGISTRATION
     _python(code, tmp_path, extra=["-W", warnings_filter])
 
