@@ -10,13 +10,13 @@ the same numbers bit for bit (each reduced element is one addition of two ranks'
 Strategy "ddp" starts the other ranks by running this script again; "ddp_spawn" starts
 them with torch.multiprocessing ("spawn"), which imports this file again. Either way each
 rank must know the name "shm" before the Trainer initialises the process group: torch
->= 2.5 loads shmcoll's `torch.backends` entry point by itself; on older torch (or with
-TORCH_DEVICE_BACKEND_AUTOLOAD=0) the `import shmcoll` at the top of the script does it.
+>= 2.5 loads shmcoll's `torch.backends` entry point by itself, so this script never imports
+shmcoll; on torch 2.4 (or with TORCH_DEVICE_BACKEND_AUTOLOAD=0) put `import shmcoll` at its
+top.
 """
 
 import argparse
 
-import shmcoll  # noqa: F401  (registers "shm") -- not needed once the autoload entry point lands
 import lightning as L
 import torch
 from lightning.pytorch.strategies import DDPStrategy

@@ -1,24 +1,13 @@
 """shmcoll: collectives between ranks on one machine through POSIX shared memory.
 
 Engine API (numpy only): new_shm_group(store, rank, world_size) -> Group.
-With torch installed, importing shmcoll registers the torch.distributed backend "shm".
+Importing shmcoll is cheap: it imports neither torch nor numba (the names below load their
+modules on first use, PEP 562). It registers the torch.distributed backend "shm" (with
+torch >= 2.5 `import torch` alone does: torch_backend/plugin.py), now if torch is imported,
+else as soon as torch is.
 """
 
-# First: jit gives numba a writable cache directory (or a private one) before any module
-# defines a cached kernel; numba refuses to define them at import when it finds none.
-from . import jit  # noqa: F401,I001
-from .errors import (
-    CollectiveMismatchError,
-    CollectiveTimeoutError,
-    GroupAbortedError,
-    PeerLostError,
-    SegmentError,
-    ShmcollError,
-)
-from .group import Group
-from .ops import ReduceOp
-from .shm_group import new_shm_group
-from .store import FileStore
+import importlib
 
 __all__ = [
     "Group",
@@ -35,15 +24,37 @@ __all__ = [
 
 __version__ = "0.1.0"
 
+_WHERE = {  # name -> the module that defines it (each kernel module imports jit first)
+    "Group": "group",
+    "ReduceOp": "ops",
+    "new_shm_group": "shm_group",
+    "FileStore": "store",
+    "ShmcollError": "errors",
+    "CollectiveTimeoutError": "errors",
+    "PeerLostError": "errors",
+    "GroupAbortedError": "errors",
+    "CollectiveMismatchError": "errors",
+    "SegmentError": "errors",
+}
+
+
+def __getattr__(name):
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
 
 def _register_torch_backend():
-    try:
-        import torch.distributed  # noqa: F401
-    except ImportError:
-        return  # numpy-only install: the engine works without torch
-    from .torch_backend import register
+    from .torch_backend.plugin import register_when_torch_loads
 
-    register()
+    register_when_torch_loads()  # torch-free; never raises
 
 
 _register_torch_backend()

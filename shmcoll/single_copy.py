@@ -36,6 +36,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from . import jit  # noqa: F401  (numba's cache directory, before the kernels below)
 from .atomics import copy_bytes
 from .kernels import call_reduce
 

@@ -1,5 +1,7 @@
-"""Import rules (STYLE.md §3.2, ARCHITECTURE.md): the engine works without torch; algorithms
-never touch shared memory or torch; only shmcoll/torch_backend imports torch."""
+"""Import rules (STYLE.md §00 and §3.2, ARCHITECTURE.md): the engine works without torch;
+algorithms never touch shared memory or torch; only shmcoll/torch_backend imports torch;
+`import shmcoll` / `import threaded_pg` (and the `torch.backends` entry points, which
+`import torch` runs) import neither torch nor numba; no import circles, lazy ones included."""
 
 import ast
 import pathlib
@@ -10,10 +12,33 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "shmcoll"
-# shmcoll/__init__.py registers backend "shm" when torch is importable: a function-level
-# `import torch.distributed` inside try/except ImportError (ARCHITECTURE.md: "register()
-# ... done by `import shmcoll`"). Nothing else outside torch_backend may import torch.
-GUARDED_TORCH_IMPORT_ALLOWED = {PACKAGE / "__init__.py"}
+# shmcoll/__init__.py registers backend "shm" through the adapter's torch-free plugin
+# module (ARCHITECTURE.md); it is the only engine-side module that imports the adapter, and
+# only that module of it. Nothing outside torch_backend imports torch, guarded or not.
+ADAPTER_IMPORTS_ALLOWED = {PACKAGE / "__init__.py": {"shmcoll.torch_backend.plugin"}}
+# What `import shmcoll`, `import threaded_pg` and the entry points (pyproject.toml,
+# `torch.backends`: run by every `import torch`) execute: at import time these modules
+# import only the standard library and each other. Their names load the rest on first use.
+IMPORT_TIME_MODULES = {
+    "shmcoll": PACKAGE / "__init__.py",
+    "shmcoll.torch_backend": PACKAGE / "torch_backend" / "__init__.py",
+    "shmcoll.torch_backend.plugin": PACKAGE / "torch_backend" / "plugin.py",
+    "shmcoll.torch_backend.import_hook": PACKAGE / "torch_backend" / "import_hook.py",
+    "threaded_pg": ROOT / "threaded_pg" / "__init__.py",
+    "threaded_pg.plugin": ROOT / "threaded_pg" / "plugin.py",
+}
+# Lazy import circles that predate the rule's check (remove an entry when its circle goes;
+# never add one): process_group.split_group imports hier_pg.new_process_group, which builds
+# ProcessGroupShm from process_group.
+KNOWN_CIRCLES = [{"shmcoll.torch_backend.hier_pg", "shmcoll.torch_backend.process_group"}]
+
+LIGHT_IMPORT_SCRIPT = """
+import sys
+import {module}
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "numba", "numpy"))
+assert not heavy, heavy
+print("ok")
+"""
 
 NO_TORCH_SCRIPT = """
 import sys
@@ -30,9 +55,10 @@ print("ok")
 """
 
 
-def _imports(path):
-    """(module name, lineno, node) of every import in a file; relative ones resolved."""
-    tree = ast.parse(path.read_text(), str(path))
+def _imports(path, tree=None):
+    """(module name, lineno, node) of every import in a file (its parsed `tree` when given,
+    so the nodes are that tree's); relative ones resolved."""
+    tree = tree or ast.parse(path.read_text(), str(path))
     rel = path.relative_to(ROOT).with_suffix("")
     package = list(rel.parts[:-1])  # the package a relative import starts from
     for node in ast.walk(tree):
@@ -76,6 +102,68 @@ def _py_files(directory):
     return sorted(p for p in directory.rglob("*.py") if "__pycache__" not in p.parts)
 
 
+def _module_name(path):
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_graph():
+    """{module: modules it imports, at any depth of the file (function-level included)} over
+    shmcoll, threaded_pg and cuda_ipc. `from pkg import name` counts as importing pkg.name
+    where that is a module, else pkg; a package __init__'s lazy names (a module-level dict
+    of name -> submodule, read by its __getattr__) count as imports of those submodules."""
+    files = {_module_name(p): p for d in ("shmcoll", "threaded_pg", "cuda_ipc")
+             for p in _py_files(ROOT / d)}
+    graph = {}
+    for name, path in files.items():
+        targets = set()
+        for module, _, node in _imports(path):
+            if isinstance(node, ast.ImportFrom):
+                found = [f"{module}.{a.name}" for a in node.names
+                         if f"{module}.{a.name}" in files]
+                targets.update(found or [module])
+            else:
+                targets.add(module)
+        if path.name == "__init__.py":
+            for node in ast.parse(path.read_text()).body:
+                if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict):
+                    targets.update(f"{name}.{v.value}" for v in node.value.values
+                                   if isinstance(v, ast.Constant))
+        graph[name] = {t for t in targets if t in files and t != name}
+    return graph
+
+
+def _circles(graph):
+    """The strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(component)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
 def test_engine_imports_without_torch(tmp_path):
     proc = subprocess.run([sys.executable, "-c", NO_TORCH_SCRIPT, str(tmp_path / "store")],
                           capture_output=True, text=True, timeout=90, cwd=ROOT)
@@ -99,14 +187,112 @@ def test_algorithms_never_import_shm_group_or_torch(path):
                                   if (PACKAGE / "torch_backend") not in p.parents],
                          ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_only_torch_backend_imports_torch(path):
-    for module, lineno, in_function in _top_level_torch_imports(path):
-        allowed = path in GUARDED_TORCH_IMPORT_ALLOWED and in_function
-        assert allowed, (f"shmcoll/{path.relative_to(PACKAGE)}:{lineno} imports {module} "
-                         f"(only shmcoll/torch_backend may import torch)")
+    for module, lineno, _ in _top_level_torch_imports(path):
+        raise AssertionError(f"shmcoll/{path.relative_to(PACKAGE)}:{lineno} imports {module} "
+                             f"(only shmcoll/torch_backend may import torch)")
     for module, lineno, _ in _imports(path):
         assert not module.startswith("shmcoll.torch_backend") or \
-            path in GUARDED_TORCH_IMPORT_ALLOWED, \
+            module in ADAPTER_IMPORTS_ALLOWED.get(path, ()), \
             f"shmcoll/{path.relative_to(PACKAGE)}:{lineno} imports {module}"
+
+
+@pytest.mark.parametrize("name", sorted(IMPORT_TIME_MODULES))
+def test_import_time_modules_import_only_the_standard_library(name):
+    """Statically: what runs at `import shmcoll` / `import threaded_pg` / `import torch`
+    (the entry points) imports, outside functions, the standard library and the modules of
+    IMPORT_TIME_MODULES only (the subprocess checks below run what is installed)."""
+    if not hasattr(sys, "stdlib_module_names"):
+        pytest.skip("Python < 3.10 has no sys.stdlib_module_names (the subprocess check runs)")
+    path = IMPORT_TIME_MODULES[name]
+    tree = ast.parse(path.read_text(), str(path))
+    in_function = {id(n) for f in ast.walk(tree)
+                   if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                   for n in ast.walk(f)}
+    for module, lineno, node in _imports(path, tree):
+        if id(node) in in_function:
+            continue
+        ok = module.split(".")[0] in sys.stdlib_module_names or module in IMPORT_TIME_MODULES
+        assert ok, f"{path.relative_to(ROOT)}:{lineno} imports {module} at import time"
+
+
+@pytest.mark.parametrize("module", ["shmcoll", "threaded_pg", "shmcoll.torch_backend",
+                                    "shmcoll.torch_backend.plugin", "threaded_pg.plugin"])
+def test_import_is_torch_and_numba_free(module):
+    proc = subprocess.run([sys.executable, "-c", LIGHT_IMPORT_SCRIPT.format(module=module)],
+                          capture_output=True, text=True, timeout=90, cwd=ROOT)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+def _top_level_imports(path):
+    tree = ast.parse(path.read_text(), str(path))
+    top = {id(n) for n in tree.body}
+    return {m for m, _, node in _imports(path, tree) if id(node) in top}
+
+
+LAZY_API_SCRIPT = """
+import sys
+import shmcoll, threaded_pg
+assert "torch" not in sys.modules and "numba" not in sys.modules
+from shmcoll import *  # noqa
+assert Group.__module__ == "shmcoll.group" and issubclass(PeerLostError, ShmcollError)
+assert ReduceOp.SUM is shmcoll.ReduceOp.SUM and callable(new_shm_group) and FileStore
+assert "numba" in sys.modules and "torch" not in sys.modules  # the engine, not the adapter
+import threaded_pg.spawning, threaded_pg.testing  # submodules first: the names still win
+from threaded_pg import *  # noqa
+assert spawn is threaded_pg.spawn and spawn.__module__ == "threaded_pg.spawning", spawn
+assert callable(ranks) and ThreadedTestCase and rng_lock and run_threads and Rendezvous
+assert backend_name() == "threaded" and callable(new_threaded_group)
+from shmcoll.torch_backend import ProcessGroupShm, ShmOptions, create_shm_process_group
+from shmcoll.torch_backend import register, new_process_group, HierProcessGroup
+try:
+    shmcoll.no_such_name
+except AttributeError as e:
+    assert "no_such_name" in str(e)
+else:
+    raise AssertionError("shmcoll.no_such_name")
+print("ok")
+"""
+
+
+def test_lazy_names_keep_the_api():
+    """PEP 562 names: `from X import *` and attribute access give what the eager imports
+    gave; a submodule imported first never shadows a name (threaded_pg.spawn stays the
+    function); an unknown name is an AttributeError."""
+    proc = subprocess.run([sys.executable, "-c", LAZY_API_SCRIPT], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+@pytest.mark.parametrize("path", [p for p in _py_files(PACKAGE)
+                                  if any(m.split(".")[0] == "numba"
+                                         for m in _top_level_imports(p))],
+                         ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_numba_modules_import_jit(path):
+    """`import shmcoll` no longer imports shmcoll.jit (it imports numba): every module that
+    imports numba imports jit itself, at the top, so numba has a writable cache directory
+    before the module defines a cached kernel."""
+    if path == PACKAGE / "jit.py":
+        return
+    assert "shmcoll.jit" in _top_level_imports(path), \
+        f"shmcoll/{path.relative_to(PACKAGE)} imports numba but not `from . import jit`"
+
+
+def test_no_import_circles():
+    """STYLE.md §00: no import circles, lazy (function-level) ones included."""
+    circles = _circles(_import_graph())
+    new = [sorted(c) for c in circles if c not in KNOWN_CIRCLES]
+    assert not new, f"import circles: {new}"
+    gone = [sorted(c) for c in KNOWN_CIRCLES if c not in circles]
+    assert not gone, f"KNOWN_CIRCLES lists circles that are gone (remove them): {gone}"
+
+
+def test_circle_finder_sees_lazy_imports():
+    """Guard for test_no_import_circles: the function-level import of the known circle and
+    the lazy names of a package __init__ are edges."""
+    graph = _import_graph()
+    assert "shmcoll.torch_backend.hier_pg" in graph["shmcoll.torch_backend.process_group"]
+    assert "shmcoll.torch_backend.process_group" in graph["shmcoll.torch_backend"]
+    assert "threaded_pg.spawning" in graph["threaded_pg"]
 
 
 def test_resolver_sees_relative_imports():

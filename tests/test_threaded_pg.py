@@ -27,7 +27,7 @@ import threaded_pg
 from shmcoll import CollectiveMismatchError, CollectiveTimeoutError, GroupAbortedError
 from shmcoll.protocol import HEADER_NBYTES, MAGIC, Arena, read_header
 from threaded_pg.arena import REGION_ALIGN_NBYTES, is_spin_off
-from threaded_pg.spawn import group_timeout_s
+from threaded_pg.spawning import group_timeout_s
 
 pytestmark = [pytest.mark.torch, pytest.mark.timeout(120)]
 

@@ -600,17 +600,17 @@ def test_warns_once_when_ranks_times_threads_exceed_cores(monkeypatch):
     the thread count to set; a fitting configuration is not."""
     import warnings
 
-    from shmcoll import torch_backend
-    monkeypatch.setattr(torch_backend, "_threads_warned", False)
-    monkeypatch.setattr(torch_backend.os, "sched_getaffinity", lambda pid: {0, 1})
-    monkeypatch.setattr(torch_backend.torch, "get_num_threads", lambda: 1)
+    from shmcoll.torch_backend import plugin
+    monkeypatch.setattr(plugin, "_threads_warned", False)
+    monkeypatch.setattr(plugin.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        torch_backend._warn_if_threads_oversubscribe(2)  # 2 x 1 <= 2 cores
-        monkeypatch.setattr(torch_backend.torch, "get_num_threads", lambda: 2)
-        torch_backend._warn_if_threads_oversubscribe(1)  # one rank: nothing to collide with
-        torch_backend._warn_if_threads_oversubscribe(2)  # 2 x 2 > 2 cores: warned
-        torch_backend._warn_if_threads_oversubscribe(4)  # once per process
+        plugin._warn_if_threads_oversubscribe(2)  # 2 x 1 <= 2 cores
+        monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+        plugin._warn_if_threads_oversubscribe(1)  # one rank: nothing to collide with
+        plugin._warn_if_threads_oversubscribe(2)  # 2 x 2 > 2 cores: warned
+        plugin._warn_if_threads_oversubscribe(4)  # once per process
     assert len(caught) == 1, [str(w.message) for w in caught]
     assert caught[0].category is RuntimeWarning
     assert "2 ranks x 2 intra-op threads" in str(caught[0].message)

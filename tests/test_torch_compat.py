@@ -82,3 +82,27 @@ def test_rng_seed_hooks_catch_every_public_seeding_call():
         for module, attribute, original in saved:
             setattr(module, attribute, original)
     assert calls == expected
+
+
+def test_a_torch_older_than_supported_is_refused_at_the_first_group(monkeypatch):
+    """torch is not a pip requirement (optional): the creator checks the version itself."""
+    compat.require_supported_torch()  # the installed torch is supported
+    monkeypatch.setattr(compat, "TORCH_VERSION", (2, 3, 1))
+    with pytest.raises(ImportError, match=r"needs torch >= 2\.4"):
+        compat.require_supported_torch()
+    from shmcoll.torch_backend import plugin
+    with pytest.raises(ImportError, match=r"needs torch >= 2\.4"):
+        plugin.create_shm_process_group(None)
+
+
+@pytest.mark.parametrize("value, on", [(None, True), ("1", True), ("0", False), ("yes", False)])
+def test_autoload_follows_torchs_switch(monkeypatch, value, on):
+    """As torch/__init__.py reads TORCH_DEVICE_BACKEND_AUTOLOAD (enabled only by "1")."""
+    if value is None:
+        monkeypatch.delenv("TORCH_DEVICE_BACKEND_AUTOLOAD", raising=False)
+    else:
+        monkeypatch.setenv("TORCH_DEVICE_BACKEND_AUTOLOAD", value)
+    want = on and compat.TORCH_VERSION[:2] >= compat.AUTOLOAD_FROM
+    assert compat.autoloads_backends() is want
+    monkeypatch.setattr(compat, "TORCH_VERSION", (2, 4, 1))
+    assert compat.autoloads_backends() is False

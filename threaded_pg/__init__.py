@@ -3,34 +3,64 @@
 Engine (numpy only): run_threads(fn, world_size) runs fn(rank, world_size, rendezvous) on
 rank threads; new_threaded_group(rendezvous, rank, world_size) -> shmcoll Group over
 in-process regions with the shm protocol (threaded_pg.arena).
-With torch installed, importing threaded_pg also registers the torch.distributed backend
-"threaded" (or "shmcoll_threaded" when torch's own threaded PG holds that name) and exports
-spawn(), the @ranks(n) decorator, ThreadedTestCase, and rng_lock() (rank threads share
+With torch installed it also offers the torch.distributed backend "threaded" (or
+"shmcoll_threaded" when torch's own threaded PG holds that name: plugin.py), spawn(), the
+@ranks(n) decorator, ThreadedTestCase, backend_name() and rng_lock() (rank threads share
 torch's RNG: threaded_pg/rng.py; reseeding it in a rank thread outside rng_lock warns,
 SharedRNGWarning).
+
+Importing threaded_pg imports neither torch nor numba: the names load their modules on
+first use (PEP 562). The backend is registered now if torch is imported, else as soon as it
+is (with torch >= 2.5, `import torch` alone registers it: the `torch.backends` entry point).
 """
 
-from .group import Rendezvous, new_threaded_group
-from .runner import RankFailedError, SpawnTimeoutError, run_threads
+import importlib
+import importlib.util
 
-__all__ = ["Rendezvous", "new_threaded_group", "run_threads", "RankFailedError",
-           "SpawnTimeoutError"]
+_ENGINE = {  # name -> the module that defines it
+    "Rendezvous": "group",
+    "new_threaded_group": "group",
+    "run_threads": "runner",
+    "RankFailedError": "runner",
+    "SpawnTimeoutError": "runner",
+}
+_WITH_TORCH = {
+    "spawn": "spawning",
+    "ranks": "testing",
+    "ThreadedTestCase": "testing",
+    "backend_name": "plugin",
+    "rng_lock": "rng",
+    "SharedRNGWarning": "rng",
+}
 
 
-def _load_torch_part():
+def _torch_installed():
     try:
-        import torch.distributed  # noqa: F401
-    except ImportError:
-        return  # numpy-only install: the engine works without torch
-    global spawn, ranks, ThreadedTestCase, backend_name, rng_lock, SharedRNGWarning
-    from .backend import backend_name, register
-    from .rng import SharedRNGWarning, rng_lock
-    from .spawn import spawn
-    from .testing import ThreadedTestCase, ranks
-
-    register()
-    __all__.extend(["spawn", "ranks", "ThreadedTestCase", "backend_name", "rng_lock",
-                    "SharedRNGWarning"])
+        return importlib.util.find_spec("torch") is not None  # finds it, does not import it
+    except (ImportError, ValueError):
+        return False
 
 
-_load_torch_part()
+__all__ = list(_ENGINE) + (list(_WITH_TORCH) if _torch_installed() else [])
+
+
+def __getattr__(name):
+    module = _ENGINE.get(name) or _WITH_TORCH.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
+
+def _register_torch_backend():
+    from .plugin import register_when_torch_loads
+
+    register_when_torch_loads()  # torch-free; never raises
+
+
+_register_torch_backend()

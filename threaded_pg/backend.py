@@ -1,16 +1,11 @@
-"""The torch.distributed backend "threaded": EngineProcessGroup over a threaded Group.
+"""The process group behind backend "threaded": EngineProcessGroup over a threaded Group.
 
-Private torch symbols touched here (checked against torch 2.13.0): `dist.Backend._plugins`
-(to see whether the name "threaded" is free, and whose creator holds it) and
-`dist.Backend.register_backend(..., extended_api=True)` with the `_DistributedBackendOptions`
-fields store, group_rank, group_size, timeout, group_id, global_ranks_in_group.
+Registration, the creator torch calls and the name clash with torch's own threaded PG:
+threaded_pg/plugin.py (which imports this module when torch creates the first group).
 
-Name clash: torch's own `torch.testing._internal.distributed.multi_threaded_pg` registers
-"threaded" when it is imported (register_backend silently replaces an existing entry). So we
-register "threaded" only if the name is free, and always register the alias
-"shmcoll_threaded"; `backend_name()` answers, at each spawn, the name that currently maps to
-our creator. Importing torch's module after ours therefore leaves both usable: torch's tests
-get theirs under "threaded", spawn() uses ours under the alias.
+Private torch symbols touched here (checked against torch 2.13.0): the
+`_DistributedBackendOptions` fields store, group_rank, group_size, timeout, group_id,
+global_ranks_in_group.
 
 RankThreadExecutor subclasses shmcoll.torch_backend.executor.Executor through its hooks
 (_submitted, _idle_wait, _woken, _thread_init; it holds _cv in them);
@@ -19,8 +14,6 @@ EngineProcessGroup.executor_class is the hook that installs it.
 
 import time
 
-import torch.distributed as dist
-
 from shmcoll.torch_backend.process_group import EngineProcessGroup, ShmOptions
 from shmcoll.torch_backend.executor import Executor
 
@@ -28,11 +21,7 @@ from . import world
 from .group import bind_rank, current_rank, new_threaded_group
 from .rng import in_rng_section
 
-__all__ = ["register", "backend_name", "create_threaded_process_group", "ThreadedProcessGroup",
-           "RankThreadExecutor", "BACKEND", "ALIAS"]
-
-BACKEND = "threaded"
-ALIAS = "shmcoll_threaded"
+__all__ = ["new_process_group", "ThreadedProcessGroup", "RankThreadExecutor"]
 
 
 class RankThreadExecutor(Executor):
@@ -106,7 +95,7 @@ def _not_in_rng_section():
 class ThreadedProcessGroup(EngineProcessGroup):
     """EngineProcessGroup over a threaded engine Group (backend "threaded")."""
 
-    BACKEND_NAME = BACKEND
+    BACKEND_NAME = "threaded"  # what name() says (plugin.py: the names it is registered under)
     executor_class = RankThreadExecutor
 
     def _device_rendezvous(self):
@@ -136,7 +125,7 @@ class ThreadedProcessGroup(EngineProcessGroup):
             rendezvous, ranks.index(self.rank()), len(ranks),
             name=f"{self.group.name}/split/{count}/{ranks}", global_rank=global_rank,
             timeout_s=options._timeout.total_seconds(), global_ranks=options.global_ranks_in_group)
-        pg = ThreadedProcessGroup(group, BACKEND, store=self._store, options=options)
+        pg = ThreadedProcessGroup(group, self.BACKEND_NAME, store=self._store, options=options)
         pg._set_group_name(options.group_name)
         if group_desc:
             pg._set_group_desc(group_desc)
@@ -147,13 +136,13 @@ def _binding():
     binding = current_rank()
     if binding is None:
         raise RuntimeError(
-            f"backend {BACKEND!r} (shmcoll) creates groups only on rank threads started by "
-            f"threaded_pg.spawn(); use backend 'shm' for ranks that are processes")
+            "backend 'threaded' (shmcoll) creates groups only on rank threads started by "
+            "threaded_pg.spawn(); use backend 'shm' for ranks that are processes")
     return binding
 
 
-def create_threaded_process_group(backend_opts, pg_options=None):
-    """Creator for dist.Backend.register_backend: one engine Group per torch group."""
+def new_process_group(backend_opts, pg_options=None):
+    """What plugin.create_threaded_process_group returns: one engine Group per torch group."""
     rendezvous, global_rank = _binding()
     options = pg_options._unbound() if isinstance(pg_options, ShmOptions) else ShmOptions()
     options.global_ranks_in_group = list(backend_opts.global_ranks_in_group)
@@ -163,25 +152,5 @@ def create_threaded_process_group(backend_opts, pg_options=None):
         rendezvous, backend_opts.group_rank, backend_opts.group_size, name=options.group_name,
         timeout_s=options._timeout.total_seconds(), global_rank=global_rank,
         global_ranks=options.global_ranks_in_group or range(rendezvous.world_size))
-    return ThreadedProcessGroup(group, BACKEND, store=backend_opts.store, options=options)
-
-
-def _owner(name):
-    plugin = dist.Backend._plugins.get(name.upper())
-    return None if plugin is None else plugin.creator_fn
-
-
-def register():
-    """Register ALIAS always and BACKEND while free (idempotent)."""
-    if _owner(ALIAS) is not create_threaded_process_group:
-        dist.Backend.register_backend(ALIAS, create_threaded_process_group, extended_api=True,
-                                      devices=["cpu", "cuda"])
-    if _owner(BACKEND) is None:
-        dist.Backend.register_backend(BACKEND, create_threaded_process_group, extended_api=True,
-                                      devices=["cpu", "cuda"])
-
-
-def backend_name():
-    """"threaded" when that name is ours, else the alias."""
-    register()
-    return BACKEND if _owner(BACKEND) is create_threaded_process_group else ALIAS
+    return ThreadedProcessGroup(group, ThreadedProcessGroup.BACKEND_NAME,
+                                store=backend_opts.store, options=options)

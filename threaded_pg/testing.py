@@ -21,7 +21,7 @@ import unittest
 import torch.distributed as dist
 
 from .runner import DEFAULT_TIMEOUT_S
-from .spawn import spawn
+from .spawning import spawn
 
 __all__ = ["ranks", "ThreadedTestCase"]
 

@@ -11,12 +11,17 @@ oldest supported torch).
 | PREMUL_SUM's factor | `ReduceOp.factor` exists from torch 2.13; every version pickles the op as `(RedOpType.PREMUL_SUM, factor)` through `__getstate__` |
 | `opts.asyncOp` | the collective options say whether the front end waits at once only on newer torch (absent in 2.4); without it the adapter's latency path (fast.py), which runs a call on the caller's thread, is off |
 | where the default generator is reseeded | torch 2.13's `torch.random.manual_seed` calls the module function `_manual_seed_impl` (also what `torch.distributed._local_tensor` calls), so replacing that one name catches `torch.manual_seed` under every alias, the wrapper `torch._dynamo` puts on it at import included; a torch whose `manual_seed` does not call it is caught at its two public names. `torch.seed` is `torch.random.seed` on every version |
+| backend autoload | from 2.5 `import torch` runs the `torch.backends` entry points (plugin.py) |
+| oldest torch | 2.4: torch is optional, not a pip requirement; the creator checks it |
 """
+
+import os
 
 import torch
 import torch.distributed
 
-__all__ = ["TORCH_VERSION", "OPTIONS_HAVE_ASYNC_OP", "premul_factor", "rng_seed_hooks"]
+__all__ = ["TORCH_VERSION", "OLDEST_TORCH", "AUTOLOAD_FROM", "OPTIONS_HAVE_ASYNC_OP",
+           "premul_factor", "rng_seed_hooks", "require_supported_torch", "autoloads_backends"]
 
 
 def _version_tuple(text):
@@ -28,6 +33,25 @@ def _version_tuple(text):
 
 
 TORCH_VERSION = _version_tuple(torch.__version__)  # (major, minor, patch)
+OLDEST_TORCH = (2, 4)  # the oldest torch shmcoll's adapter is tested on (CI)
+AUTOLOAD_FROM = (2, 5)  # the first torch that runs the `torch.backends` entry points
+
+
+def require_supported_torch():
+    """Raise (ImportError, naming both versions) on a torch older than OLDEST_TORCH: pip
+    does not enforce it, since torch is an optional dependency."""
+    if TORCH_VERSION[:2] < OLDEST_TORCH:
+        raise ImportError(
+            f"shmcoll's backend needs torch >= {'.'.join(map(str, OLDEST_TORCH))}; this is "
+            f"torch {torch.__version__}")
+
+
+def autoloads_backends():
+    """Whether this torch registers "shm" and "threaded" at `import torch` (by calling the
+    installed `torch.backends` entry points): torch >= 2.5 with TORCH_DEVICE_BACKEND_AUTOLOAD
+    unset or "1" (torch's own test of the variable)."""
+    return TORCH_VERSION[:2] >= AUTOLOAD_FROM and \
+        os.getenv("TORCH_DEVICE_BACKEND_AUTOLOAD", "1") == "1"
 
 # The front end sets opts.asyncOp = not async_op before calling the ProcessGroup; older
 # torch has no such field, so a call cannot know that its caller waits at once.

@@ -15,7 +15,7 @@ import threading
 import torch.distributed as dist
 
 from . import rng, world
-from .backend import backend_name
+from .plugin import backend_name
 from .runner import DEFAULT_TIMEOUT_S, _Run
 
 __all__ = ["spawn"]
