@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import harness
 from shmcoll.ops import ReduceOp
 from shmcoll.torch_backend import compat
 from shmcoll.torch_backend.convert import reduce_op
@@ -106,3 +107,59 @@ def test_autoload_follows_torchs_switch(monkeypatch, value, on):
     assert compat.autoloads_backends() is want
     monkeypatch.setattr(compat, "TORCH_VERSION", (2, 4, 1))
     assert compat.autoloads_backends() is False
+
+
+# ------------------------------------------ a Python Work handed to C++ (CPP_KEEPS_PYTHON_WORK)
+
+def test_the_work_probe_answers_for_this_torch():
+    """A Work subclass handed to C++ (another method than the probe's) and dropped by Python
+    still answers through its override exactly where CPP_KEEPS_PYTHON_WORK says so."""
+    class Mine(dist.Work):
+        def get_future(self):
+            future = torch.futures.Future()
+            future.set_result("mine")
+            return future
+
+    class Group(dist.ProcessGroup):
+        def broadcast(self, tensors, opts=None):
+            return Mine()
+
+    work = dist.ProcessGroup.broadcast(Group(0, 1), [torch.zeros(1)], dist.BroadcastOptions())
+    if compat.CPP_KEEPS_PYTHON_WORK:
+        assert work.get_future().wait() == "mine"
+    else:
+        with pytest.raises(RuntimeError, match="getFuture"):
+            work.get_future()
+
+
+def _backend(pg):
+    from shmcoll.torch_backend import EngineProcessGroup
+    return pg if isinstance(pg, EngineProcessGroup) else pg._get_backend(torch.device("cpu"))
+
+
+def _cpp_waits(rank, world_size):
+    from torch.nn.parallel import DistributedDataParallel
+
+    pg = dist.group.WORLD
+    t = torch.full((3,), float(rank + 1))
+    dist._verify_params_across_processes(pg, [t], None)  # C++ waits on an allgather
+    dist._broadcast_coalesced(pg, [t], 1 << 20, 0)  # C++ waits on a broadcast
+    assert torch.equal(t, torch.ones(3)), t
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Linear(3, 2))  # both of the above, again
+    model(torch.full((2, 3), float(rank))).sum().backward()  # the Reducer takes futures
+    grads = model.module.weight.grad.clone(), model.module.bias.grad.clone()
+    return grads, len(_backend(pg)._works_held)
+
+
+def test_torchs_cpp_waits_on_shm_works():
+    """torch's C++ (DDP's construction and Reducer, _verify_params_across_processes,
+    _broadcast_coalesced) waits on the Works "shm" returns: on a torch that drops their
+    Python side (torch 2.4) this hung for ever, in DDP's constructor. Once C++ waited or
+    took the future, no Work is held any more."""
+    results = harness.run_torch_ranks(_cpp_waits, 2, "shm", 120)
+    for (weight, bias), held in results:
+        # two rows of `rank` per rank: the mean over the ranks of 2 * rank, and of 2
+        assert torch.equal(weight, torch.full((2, 3), 1.0)), weight
+        assert torch.equal(bias, torch.full((2,), 2.0)), bias
+        assert held == 0

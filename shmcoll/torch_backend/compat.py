@@ -1,8 +1,9 @@
 """What differs between the torch versions shmcoll accepts, in one place.
 
-Every read of a torch internal whose spelling changed between releases goes through a
-function here, each written so that it works on every supported version or fails with a
-clear error -- never by quietly falling back to a default that gives a wrong result.
+Every read of a torch internal whose spelling or behaviour changed between releases goes
+through a name here, each written so that it works on every supported version or fails
+with a clear error -- never by quietly falling back to a default that gives a wrong result.
+Where it can, a difference is detected (an attribute, a probe), not read off the version.
 tests/test_torch_compat.py runs each on the installed torch (CI: the newest and the
 oldest supported torch).
 
@@ -13,6 +14,7 @@ oldest supported torch).
 | where the default generator is reseeded | torch 2.13's `torch.random.manual_seed` calls the module function `_manual_seed_impl` (also what `torch.distributed._local_tensor` calls), so replacing that one name catches `torch.manual_seed` under every alias, the wrapper `torch._dynamo` puts on it at import included; a torch whose `manual_seed` does not call it is caught at its two public names. `torch.seed` is `torch.random.seed` on every version |
 | backend autoload | from 2.5 `import torch` runs the `torch.backends` entry points (plugin.py) |
 | oldest torch | 2.4: torch is optional, not a pip requirement; the creator checks it |
+| a Python Work handed to C++ | 2.13 keeps its Python object alive (`PyWorkHolder`); 2.4 does not, and C++ waiters (DDP) then reach the base `Work`, whose `wait()` never returns: `CPP_KEEPS_PYTHON_WORK` (probed), `Work` holds a collective's Work until waited |
 """
 
 import os
@@ -21,7 +23,8 @@ import torch
 import torch.distributed
 
 __all__ = ["TORCH_VERSION", "OLDEST_TORCH", "AUTOLOAD_FROM", "OPTIONS_HAVE_ASYNC_OP",
-           "premul_factor", "rng_seed_hooks", "require_supported_torch", "autoloads_backends"]
+           "CPP_KEEPS_PYTHON_WORK", "Work", "premul_factor", "rng_seed_hooks",
+           "require_supported_torch", "autoloads_backends"]
 
 
 def _version_tuple(text):
@@ -119,3 +122,77 @@ def rng_seed_hooks():
         hooks = [(random, "manual_seed", "torch.manual_seed"),
                  (torch, "manual_seed", "torch.manual_seed")]
     return hooks + [(random, "seed", "torch.seed"), (torch, "seed", "torch.seed")]
+
+
+def _cpp_keeps_python_work():
+    """Whether a Work that a Python ProcessGroup returns to C++ keeps its Python overrides
+    after Python dropped it: a ProcessGroup subclass hands a Work subclass to C++ (the
+    unbound base method calls the override, as C++ callers do) and keeps no reference; its
+    get_future() override must still answer. On a torch without that keep-alive the base
+    Work answers instead, and raises. Anything unexpected counts as False: holding Works
+    (Work below) only keeps them longer, while a lost override hangs C++ waiters."""
+    class _ProbeWork(torch.distributed.Work):
+        def get_future(self):
+            future = torch.futures.Future()
+            future.set_result(True)
+            return future
+
+    class _ProbeGroup(torch.distributed.ProcessGroup):
+        def allgather(self, output_tensors, input_tensors, opts=None):
+            return _ProbeWork()
+
+    t = torch.zeros(1, device="cpu")
+    try:
+        work = torch.distributed.ProcessGroup.allgather(
+            _ProbeGroup(0, 1), [[t]], [t], torch._C._distributed_c10d.AllgatherOptions())
+        return work.get_future().wait() is True
+    except Exception:  # noqa: BLE001 - the base Work's "getFuture not implemented", or a
+        return False   # torch whose bindings differ: hold Works (the safe side)
+
+
+CPP_KEEPS_PYTHON_WORK = _cpp_keeps_python_work()
+
+
+class Work(torch.distributed.Work):
+    """Base of the Work classes of shmcoll's collectives (what a ProcessGroup method
+    returns; subclasses implement _wait(timeout) and _get_future()).
+
+    Where torch does not keep a Python Work alive for the C++ code it is handed to
+    (CPP_KEEPS_PYTHON_WORK False), an instance made with a `holder` (a set owned by its
+    group object, so what is left in it goes with the group) keeps itself there until its
+    wait() has run or its future was taken: torch's C++ callers (DDP's Reducer takes the
+    future; `_verify_params_across_processes`, `_broadcast_coalesced` and functional
+    collectives wait) need nothing of it after that, and before it a dropped Work would
+    leave them with the base Work, whose wait() never returns. So a collective nobody
+    waits for stays held while its group lives. Point-to-point Works are not held: torch
+    2.4 calls send/recv from Python only, and its Schedule1F1B drops send Works unwaited,
+    which holding would keep (with their tensors) for the group's lifetime."""
+
+    def __init__(self, holder=None):
+        super().__init__()
+        self._holder = None
+        if holder is not None and not CPP_KEEPS_PYTHON_WORK:
+            holder.add(self)
+            self._holder = holder
+
+    def wait(self, timeout=None):
+        try:
+            return self._wait(timeout)
+        finally:
+            self._let_go()
+
+    def get_future(self):
+        future = self._get_future()
+        self._let_go()
+        return future
+
+    def _wait(self, timeout):
+        raise NotImplementedError
+
+    def _get_future(self):
+        raise NotImplementedError
+
+    def _let_go(self):
+        holder, self._holder = self._holder, None
+        if holder is not None:
+            holder.discard(self)
