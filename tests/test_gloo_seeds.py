@@ -1148,6 +1148,8 @@ def _lifecycle_job(rank, world_size, store):
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
+    from shmcoll.torch_backend.compat import DESTROY_SHUTS_DOWN
+
     ws = world_size
     with ranks(rank, world_size, store) as ctx:
         sync = ctx.pg()
@@ -1163,13 +1165,29 @@ def _lifecycle_job(rank, world_size, store):
         if rank in (0, 1):
             new_pg1.allreduce(torch.ones(3)).wait()
         dist.destroy_process_group()  # one call: default group and both subgroups
-        with raises(dist.DistBackendError, "shut down"):
-            pg.allreduce([t])
-        if rank in (0, 1):
+        if DESTROY_SHUTS_DOWN:
             with raises(dist.DistBackendError, "shut down"):
-                new_pg1.allreduce([t])
-            with raises(dist.DistBackendError, "shut down"):
-                new_pg2.barrier()
+                pg.allreduce([t])
+            if rank in (0, 1):
+                with raises(dist.DistBackendError, "shut down"):
+                    new_pg1.allreduce([t])
+                with raises(dist.DistBackendError, "shut down"):
+                    new_pg2.barrier()
+        else:
+            # torch 2.4's destroy shuts no group down but NCCL's: the old objects keep
+            # working (as gloo's do) until they are shut down or dropped
+            ones = torch.ones(3)
+            pg.allreduce([ones]).wait()
+            assert_equal(ones, torch.full((3,), float(ws)))
+            if rank in (0, 1):
+                ones = torch.ones(3)
+                new_pg1.allreduce([ones]).wait()
+                assert_equal(ones, torch.full((3,), 2.0))
+                new_pg2.barrier().wait()
+            for group in (pg, new_pg1, new_pg2) if rank in (0, 1) else (pg,):
+                group.shutdown()
+                with raises(dist.DistBackendError, "shut down"):
+                    group.allreduce([ones])
         with raises(ValueError, ""):
             dist.all_reduce(t)
 

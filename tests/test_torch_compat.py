@@ -1,6 +1,9 @@
 """shmcoll.torch_backend.compat on the installed torch (CI runs this on the newest and on
 the oldest supported torch): every version-dependent read works here, or fails loudly."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -163,3 +166,38 @@ def test_torchs_cpp_waits_on_shm_works():
         assert torch.equal(weight, torch.full((2, 3), 1.0)), weight
         assert torch.equal(bias, torch.full((2,), 2.0)), bias
         assert held == 0
+
+
+# ------------------------------------------------------ destroy_process_group (DESTROY_SHUTS_DOWN)
+
+def _destroyed(rank, world_size, store):
+    import shmcoll  # noqa: F401  (registers "shm")
+
+    dist.init_process_group("shm", init_method=f"file://{store.path}/rendezvous", rank=rank,
+                            world_size=world_size)
+    backend = _backend(dist.group.WORLD)
+    dist.all_reduce(torch.ones(1))
+    dist.destroy_process_group()
+    closed = backend._closed
+    if not closed:  # not shut down: it still works (as a destroyed gloo group does)
+        t = torch.ones(2)
+        backend.allreduce([t]).wait()
+        assert torch.equal(t, torch.full((2,), float(world_size))), t
+        backend.barrier().wait()  # (no rank drops it while a peer still uses it)
+    ref = weakref.ref(backend)
+    gc.disable()
+    try:
+        del backend
+        released = ref() is None  # at once: no reference cycle waits for the collector
+    finally:
+        gc.enable()
+    return closed, released
+
+
+def test_destroy_process_group_shuts_down_where_torch_says_so():
+    """destroy_process_group shuts the "shm" group down exactly where DESTROY_SHUTS_DOWN
+    says torch does; where it does not, the group keeps working, and either way it is
+    released as soon as its last reference goes."""
+    for closed, released in harness.run_ranks(_destroyed, 2, "processes", 120):
+        assert closed == compat.DESTROY_SHUTS_DOWN
+        assert released

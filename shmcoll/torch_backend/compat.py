@@ -15,6 +15,7 @@ oldest supported torch).
 | backend autoload | from 2.5 `import torch` runs the `torch.backends` entry points (plugin.py) |
 | oldest torch | 2.4: torch is optional, not a pip requirement; the creator checks it |
 | a Python Work handed to C++ | 2.13 keeps its Python object alive (`PyWorkHolder`); 2.4 does not, and C++ waiters (DDP) then reach the base `Work`, whose `wait()` never returns: `CPP_KEEPS_PYTHON_WORK` (probed), `Work` holds a collective's Work until waited |
+| destroy_process_group | 2.13 shuts every group down (`ProcessGroup.shutdown()`); 2.4 only NCCL's, so a destroyed "shm" group, like a gloo one, keeps working until its last reference goes: `DESTROY_SHUTS_DOWN` |
 """
 
 import os
@@ -23,8 +24,8 @@ import torch
 import torch.distributed
 
 __all__ = ["TORCH_VERSION", "OLDEST_TORCH", "AUTOLOAD_FROM", "OPTIONS_HAVE_ASYNC_OP",
-           "CPP_KEEPS_PYTHON_WORK", "Work", "premul_factor", "rng_seed_hooks",
-           "require_supported_torch", "autoloads_backends"]
+           "CPP_KEEPS_PYTHON_WORK", "DESTROY_SHUTS_DOWN", "Work", "premul_factor",
+           "rng_seed_hooks", "require_supported_torch", "autoloads_backends"]
 
 
 def _version_tuple(text):
@@ -151,6 +152,10 @@ def _cpp_keeps_python_work():
 
 
 CPP_KEEPS_PYTHON_WORK = _cpp_keeps_python_work()
+
+# destroy_process_group calls ProcessGroup.shutdown() (and so our backend's shutdown) where
+# ProcessGroup has it; torch 2.4's has no such method and shuts down NCCL backends only.
+DESTROY_SHUTS_DOWN = hasattr(torch.distributed.ProcessGroup, "shutdown")
 
 
 class Work(torch.distributed.Work):

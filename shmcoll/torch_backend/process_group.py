@@ -64,7 +64,7 @@ class EngineProcessGroup(ReduceMixin, MovementMixin, GatherScatterMixin, P2PMixi
         self._store = store
         opts = options._unbound() if options is not None else \
             ShmOptions(timeout=group.timeout_s, group_name=group.name)
-        opts._pg = self
+        opts.bind(self)
         self._options = opts
         self._executor = self.executor_class(f"{backend_name}-{group.name or 'pg'}",
                                              on_abort=group.abort)
