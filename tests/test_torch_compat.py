@@ -2,6 +2,9 @@
 the oldest supported torch): every version-dependent read works here, or fails loudly."""
 
 import gc
+import subprocess
+import sys
+import textwrap
 import weakref
 
 import pytest
@@ -201,3 +204,34 @@ def test_destroy_process_group_shuts_down_where_torch_says_so():
     for closed, released in harness.run_ranks(_destroyed, 2, "processes", 120):
         assert closed == compat.DESTROY_SHUTS_DOWN
         assert released
+
+
+# ------------------------------------------------ registering a taken backend name
+
+def test_registration_replaces_says_what_register_backend_does():
+    """registration_replaces is True exactly where another creator registered later under
+    the same name takes it over (in a subprocess: it registers backends)."""
+    script = textwrap.dedent("""
+        import torch.distributed as dist
+        from shmcoll.torch_backend.compat import registration_replaces
+        def first(*args):
+            pass
+        def second(*args):
+            pass
+        name, key = "shmcoll_compat_probe", "SHMCOLL_COMPAT_PROBE"
+        dist.Backend.register_backend(name, first, extended_api=True, devices=["cpu"])
+        replaces = registration_replaces(name, first, ["cpu"])
+        assert dist.Backend._plugins[key].creator_fn is first
+        try:
+            dist.Backend.register_backend(name, second, extended_api=True, devices=["cpu"])
+            took = True
+        except AssertionError:
+            took = False
+        assert took == replaces, (took, replaces)
+        assert dist.Backend._plugins[key].creator_fn is (second if took else first)
+        print("replaces" if replaces else "refuses")
+    """)
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", script], capture_output=True,
+                          text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() in ("replaces", "refuses")

@@ -16,16 +16,20 @@ oldest supported torch).
 | oldest torch | 2.4: torch is optional, not a pip requirement; the creator checks it |
 | a Python Work handed to C++ | 2.13 keeps its Python object alive (`PyWorkHolder`); 2.4 does not, and C++ waiters (DDP) then reach the base `Work`, whose `wait()` never returns: `CPP_KEEPS_PYTHON_WORK` (probed), `Work` holds a collective's Work until waited |
 | destroy_process_group | 2.13 shuts every group down (`ProcessGroup.shutdown()`); 2.4 only NCCL's, so a destroyed "shm" group, like a gloo one, keeps working until its last reference goes: `DESTROY_SHUTS_DOWN` |
+| registering a taken backend name | 2.13's `register_backend` replaces the entry; 2.4's asserts, so a name we hold could never be taken over (threaded_pg claims "threaded" only where it can be): `registration_replaces` |
 """
 
 import os
 
 import torch
-import torch.distributed
+# (as a name: threaded_pg's registration imports this module from the import hook, which can
+# fire while torch itself is still being imported, before `torch.distributed` is set on it)
+import torch.distributed as dist
 
 __all__ = ["TORCH_VERSION", "OLDEST_TORCH", "AUTOLOAD_FROM", "OPTIONS_HAVE_ASYNC_OP",
            "CPP_KEEPS_PYTHON_WORK", "DESTROY_SHUTS_DOWN", "Work", "premul_factor",
-           "rng_seed_hooks", "require_supported_torch", "autoloads_backends"]
+           "rng_seed_hooks", "registration_replaces", "require_supported_torch",
+           "autoloads_backends"]
 
 
 def _version_tuple(text):
@@ -59,7 +63,7 @@ def autoloads_backends():
 
 # The front end sets opts.asyncOp = not async_op before calling the ProcessGroup; older
 # torch has no such field, so a call cannot know that its caller waits at once.
-OPTIONS_HAVE_ASYNC_OP = hasattr(torch.distributed.AllreduceOptions(), "asyncOp")
+OPTIONS_HAVE_ASYNC_OP = hasattr(dist.AllreduceOptions(), "asyncOp")
 
 
 def premul_factor(op):
@@ -132,33 +136,50 @@ def _cpp_keeps_python_work():
     get_future() override must still answer. On a torch without that keep-alive the base
     Work answers instead, and raises. Anything unexpected counts as False: holding Works
     (Work below) only keeps them longer, while a lost override hangs C++ waiters."""
-    class _ProbeWork(torch.distributed.Work):
+    import torch.futures
+
+    class _ProbeWork(dist.Work):
         def get_future(self):
             future = torch.futures.Future()
             future.set_result(True)
             return future
 
-    class _ProbeGroup(torch.distributed.ProcessGroup):
+    class _ProbeGroup(dist.ProcessGroup):
         def allgather(self, output_tensors, input_tensors, opts=None):
             return _ProbeWork()
 
     t = torch.zeros(1, device="cpu")
     try:
-        work = torch.distributed.ProcessGroup.allgather(
+        work = dist.ProcessGroup.allgather(
             _ProbeGroup(0, 1), [[t]], [t], torch._C._distributed_c10d.AllgatherOptions())
         return work.get_future().wait() is True
     except Exception:  # noqa: BLE001 - the base Work's "getFuture not implemented", or a
         return False   # torch whose bindings differ: hold Works (the safe side)
 
 
-CPP_KEEPS_PYTHON_WORK = _cpp_keeps_python_work()
+_PROBED = {}
+
+
+def _cpp_keeps():
+    """CPP_KEEPS_PYTHON_WORK, probed on first use, not at import (which can happen inside
+    `import torch`: see the imports)."""
+    if "work" not in _PROBED:
+        _PROBED["work"] = _cpp_keeps_python_work()
+    return _PROBED["work"]
+
+
+def __getattr__(name):
+    if name == "CPP_KEEPS_PYTHON_WORK":
+        return _cpp_keeps()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # destroy_process_group calls ProcessGroup.shutdown() (and so our backend's shutdown) where
 # ProcessGroup has it; torch 2.4's has no such method and shuts down NCCL backends only.
-DESTROY_SHUTS_DOWN = hasattr(torch.distributed.ProcessGroup, "shutdown")
+DESTROY_SHUTS_DOWN = hasattr(dist.ProcessGroup, "shutdown")
 
 
-class Work(torch.distributed.Work):
+class Work(dist.Work):
     """Base of the Work classes of shmcoll's collectives (what a ProcessGroup method
     returns; subclasses implement _wait(timeout) and _get_future()).
 
@@ -176,7 +197,7 @@ class Work(torch.distributed.Work):
     def __init__(self, holder=None):
         super().__init__()
         self._holder = None
-        if holder is not None and not CPP_KEEPS_PYTHON_WORK:
+        if holder is not None and not _cpp_keeps():
             holder.add(self)
             self._holder = holder
 
@@ -201,3 +222,15 @@ class Work(torch.distributed.Work):
         holder, self._holder = self._holder, None
         if holder is not None:
             holder.discard(self)
+
+
+def registration_replaces(name, creator, devices):
+    """Whether torch's `Backend.register_backend` replaces a name that is already taken.
+    `name` must already be registered with `creator` (and `devices`, extended_api): it is
+    registered again, the same way. torch 2.13 replaces the entry (with itself: nothing
+    changes); torch 2.4 asserts that the name is free before it changes anything."""
+    try:
+        dist.Backend.register_backend(name, creator, extended_api=True, devices=devices)
+    except (AssertionError, ValueError):
+        return False
+    return True
