@@ -98,7 +98,7 @@ class DevicePath:
             pg._seq += 1
         with torch.no_grad():
             last = pg._executor.run_inline(fn, stream, t_s)
-        work = DeviceWork(self.dg, last, outputs, stream, t_s)
+        work = DeviceWork(self.dg, last, outputs, stream, t_s, pg._works_held)
         if pg._coalescing is not None:
             pg._coalescing.append(work)
         return work

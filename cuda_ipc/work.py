@@ -16,18 +16,18 @@ future's own events. A failure found later by the watchdog is raised by `wait()`
 import time
 
 import torch
-import torch.distributed as dist
 
+from shmcoll.torch_backend.compat import Work
 from shmcoll.torch_backend.work import torch_error
 
 __all__ = ["DeviceWork"]
 
 
-class DeviceWork(dist.Work):
+class DeviceWork(Work):
     """See the module docstring. `last`: the last chunk id enqueued (None: nothing was)."""
 
-    def __init__(self, dgroup, last, outputs, stream, timeout_s):
-        super().__init__()
+    def __init__(self, dgroup, last, outputs, stream, timeout_s, holder=None):
+        super().__init__(holder)
         self._dgroup = dgroup
         self._last = last
         self._outputs = outputs
@@ -47,7 +47,7 @@ class DeviceWork(dist.Work):
     def _finished(self):
         return self._last is None or self._dgroup.arena.is_done(self._last)
 
-    def wait(self, timeout=None):
+    def _wait(self, timeout):
         err = self._error()
         if err is not None:
             raise torch_error(err)
@@ -89,7 +89,7 @@ class DeviceWork(dist.Work):
         self.wait()
         return self._outputs
 
-    def get_future(self):
+    def _get_future(self):
         if self._future is None:
             dev = self._dgroup.dev
             if dev.kind == "cuda":

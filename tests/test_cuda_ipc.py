@@ -72,12 +72,29 @@ def test_tier_choice():
     assert (back.kind, back.uuid, back.index, back.name) == ("cuda", "GPU-1|x", 3, "H100 | SXM")
 
 
+def _textbook_complex_mul():
+    """Whether torch's complex64 multiply rounds as the host kernel does, (ac - bd, ad + bc)
+    in float32, in every lane: torch 2.4's CPU kernel is one ulp off in the element its
+    vector loop leaves over (the last of 257, with this pair there); torch 2.13's is not."""
+    a = torch.full((257,), complex(-0.2117047, -0.50292957), dtype=torch.complex64)
+    b = torch.full((257,), complex(-1.0363108, -1.3550628), dtype=torch.complex64)
+    x, y = a.numpy(), b.numpy()
+    real = x.real * y.real - x.imag * y.imag
+    imag = x.real * y.imag + x.imag * y.real
+    got = torch.mul(a, b).numpy()
+    return bool(np.array_equal(got.real, real) and np.array_equal(got.imag, imag))
+
+
+TEXTBOOK_COMPLEX_MUL = _textbook_complex_mul()
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64", "int32", "int8", "complex64", "bool"])
 @pytest.mark.parametrize("op", list(ReduceOp))
 @pytest.mark.parametrize("nsrc", [1, 2, 3])
 def test_reduce_matches_the_host_kernel(dtype, op, nsrc):
     """reduce_into (torch kernels) computes the same bytes as the host's numba kernel for
-    every op and dtype it allows (fixed order, pre and post scaling)."""
+    every op and dtype it allows (fixed order, pre and post scaling; a complex product to
+    one ulp where torch's complex multiply is not the textbook one: TEXTBOOK_COMPLEX_MUL)."""
     d = DTYPES[dtype]
     try:
         spec = reduce_spec(op, d, 3, premul=2.5)
@@ -94,6 +111,8 @@ def test_reduce_matches_the_host_kernel(dtype, op, nsrc):
     got = out.numpy().view(d.storage)
     if spec.kind in ("float", "complex") and (spec.pre != 1.0 or spec.post != 1.0):
         np.testing.assert_allclose(got, want, rtol=1e-6)  # a*x+b may fuse differently
+    elif spec.kind == "complex" and op == ReduceOp.PRODUCT and not TEXTBOOK_COMPLEX_MUL:
+        np.testing.assert_allclose(got, want, rtol=1e-6)
     else:
         assert got.tobytes() == want.tobytes(), (got[:5], want[:5])
 

@@ -370,3 +370,62 @@ def test_stop_ends_callbacks_that_wait_for_aborted_jobs():
         time.sleep(0.01)
     assert sorted(i for i, _ in ended) == [0, 1, 2], ended
     assert all("pending work aborted" in text for _, text in ended), ended
+
+
+class _PausingLock:
+    """An Executor's `_running` lock whose release runs `after_release()` (the test's hook:
+    a worker thread preempted right after it let the lock go)."""
+
+    def __init__(self, lock, after_release):
+        self._lock = lock
+        self._after_release = after_release
+
+    def acquire(self, blocking=True, timeout=-1):
+        return self._lock.acquire(blocking, timeout)
+
+    def release(self):
+        self._lock.release()
+        self._after_release()
+
+    def locked(self):
+        return self._lock.locked()
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+def test_futures_complete_in_issue_order_when_the_worker_pauses_after_a_job():
+    """The worker executes job a and lets the running lock go; before it records a as
+    executed, the thread waiting for job b runs b and completes what it finds. a's future
+    must still complete first. The worker recorded a only after releasing the lock, so
+    under load (a preempted worker) b completed first: then-callbacks out of issue order
+    in test_hundreds_of_async_ops_in_issue_order, on torch 2.4 and 2.13 alike."""
+    from shmcoll.torch_backend.executor import Executor
+    from shmcoll.torch_backend.work import Job
+
+    ex = Executor("order-test")
+    released, b_done, paused = threading.Event(), threading.Event(), []
+
+    def after_release():  # the worker, once: stay away until b is complete (or FAST_S)
+        if ex.owns_current_thread() and not paused:
+            paused.append(True)
+            released.set()
+            b_done.wait(FAST_S)
+
+    ex._running = _PausingLock(ex._running, after_release)
+    a, b = Job("a", lambda: None, []), Job("b", lambda: None, [])
+    order = []
+    a.future.then(lambda f: order.append("a"))
+    b.future.then(lambda f: (order.append("b"), b_done.set()))
+    try:
+        ex.submit(a)
+        assert released.wait(FAST_S), "the worker did not run job a"
+        ex.submit(b)
+        assert ex.wait(b) and ex.wait(a)  # this thread runs b while the worker is away
+    finally:
+        b_done.set()
+        ex.stop()
+    assert order == ["a", "b"], order

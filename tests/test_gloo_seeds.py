@@ -913,10 +913,6 @@ def _frontend_job(rank, world_size, store):
         work_a.wait()
         assert_equal(a, torch.tensor([ws * (ws - 1) / 2]))
 
-        # ---- split_group (plugin path; on CPU-only torch needs an accelerator and a bound
-        # device, so both are faked for the duration)
-        _split_group_checks(rank, ws)
-
         # ---- sequence numbers: subgroup [0, 1, 2] then the default group (PG-30..33);
         # the default-group variant leaves an orphan op on WORLD, so it runs last
         subgroup = dist.new_group([0, 1, 2])
@@ -930,7 +926,16 @@ def _frontend_job(rank, world_size, store):
     return True
 
 
+def _split_group_job(rank, world_size, store):
+    with ranks(rank, world_size, store) as ctx:
+        ctx.init()
+        _split_group_checks(rank, world_size)
+    return True
+
+
 def _split_group_checks(rank, ws):
+    """split_group (plugin path; on CPU-only torch needs an accelerator and a bound device, so
+    both are faked for the duration)."""
     import torch
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
@@ -978,9 +983,32 @@ def test_front_end():
     test_allgather_into_tensor_coalesced, test_reduce_scatter (uneven, 0-element output),
     test_reduce_scatter_tensor(_coalesced), both method-name families, object collectives,
     the coalescing manager (fast path and _start/_end_coalescing), sparse via dist.all_reduce,
-    PREMUL_SUM, new_group / new_subgroups / split_group, concurrent groups and the
-    sequence-number tests of test_c10d_common (incl. an op only some ranks issue)."""
+    PREMUL_SUM, new_group / new_subgroups, concurrent groups and the sequence-number tests
+    of test_c10d_common (incl. an op only some ranks issue)."""
     assert _run(_frontend_job) == [True] * WS
+
+
+def _split_group_missing():
+    """What this torch lacks for split_group on a backend other than NCCL ("" if nothing)."""
+    import torch
+    import torch.distributed as dist
+    missing = []
+    if not hasattr(dist.ProcessGroup, "split_group"):
+        missing.append("ProcessGroup.split_group, the split for plugin backends (torch >= 2.8)")
+    if not hasattr(torch, "accelerator"):
+        missing.append("torch.accelerator, which the test fakes for the CPU path (torch >= 2.6)")
+    return "; ".join(missing)
+
+
+@pytest.mark.timeout(300)
+def test_split_group():
+    """c10d.split_group and ProcessGroup.split_group on "shm" (the group_desc torch gives
+    each split, members and non-members, a collective on each new group)."""
+    missing = _split_group_missing()
+    if missing:
+        import torch
+        pytest.skip(f"split_group needs what torch {torch.__version__} lacks: {missing}")
+    assert _run(_split_group_job) == [True] * WS
 
 
 # ============================================================== timeouts and monitoring
@@ -1148,6 +1176,8 @@ def _lifecycle_job(rank, world_size, store):
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
+    from shmcoll.torch_backend.compat import DESTROY_SHUTS_DOWN
+
     ws = world_size
     with ranks(rank, world_size, store) as ctx:
         sync = ctx.pg()
@@ -1163,13 +1193,29 @@ def _lifecycle_job(rank, world_size, store):
         if rank in (0, 1):
             new_pg1.allreduce(torch.ones(3)).wait()
         dist.destroy_process_group()  # one call: default group and both subgroups
-        with raises(dist.DistBackendError, "shut down"):
-            pg.allreduce([t])
-        if rank in (0, 1):
+        if DESTROY_SHUTS_DOWN:
             with raises(dist.DistBackendError, "shut down"):
-                new_pg1.allreduce([t])
-            with raises(dist.DistBackendError, "shut down"):
-                new_pg2.barrier()
+                pg.allreduce([t])
+            if rank in (0, 1):
+                with raises(dist.DistBackendError, "shut down"):
+                    new_pg1.allreduce([t])
+                with raises(dist.DistBackendError, "shut down"):
+                    new_pg2.barrier()
+        else:
+            # torch 2.4's destroy shuts no group down but NCCL's: the old objects keep
+            # working (as gloo's do) until they are shut down or dropped
+            ones = torch.ones(3)
+            pg.allreduce([ones]).wait()
+            assert_equal(ones, torch.full((3,), float(ws)))
+            if rank in (0, 1):
+                ones = torch.ones(3)
+                new_pg1.allreduce([ones]).wait()
+                assert_equal(ones, torch.full((3,), 2.0))
+                new_pg2.barrier().wait()
+            for group in (pg, new_pg1, new_pg2) if rank in (0, 1) else (pg,):
+                group.shutdown()
+                with raises(dist.DistBackendError, "shut down"):
+                    group.allreduce([ones])
         with raises(ValueError, ""):
             dist.all_reduce(t)
 

@@ -241,7 +241,10 @@ import threaded_pg.spawning, threaded_pg.testing  # submodules first: the names 
 from threaded_pg import *  # noqa
 assert spawn is threaded_pg.spawn and spawn.__module__ == "threaded_pg.spawning", spawn
 assert callable(ranks) and ThreadedTestCase and rng_lock and run_threads and Rendezvous
-assert backend_name() == "threaded" and callable(new_threaded_group)
+from shmcoll.torch_backend.compat import registration_replaces  # "threaded" is ours where
+from threaded_pg.plugin import ALIAS, create_threaded_process_group  # others can take it over
+claims = registration_replaces(ALIAS, create_threaded_process_group, ["cpu", "cuda"])
+assert backend_name() == ("threaded" if claims else ALIAS) and callable(new_threaded_group)
 from shmcoll.torch_backend import ProcessGroupShm, ShmOptions, create_shm_process_group
 from shmcoll.torch_backend import register, new_process_group, HierProcessGroup
 try:

@@ -12,6 +12,7 @@ compiled program runs with -m slow (it needs a C++ compiler); its aot_eager vari
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -57,6 +58,19 @@ def _on_threads(names, workdir):
         torch.set_num_threads(saved)
 
 
+def _reference(gloo_runs, name):
+    """gloo's outcome of `name`; where gloo failed on it and the program names another that
+    computes the same (`same_as`), gloo's outcome of that one."""
+    want = gloo_runs[name]
+    spec = PROGRAMS[name]
+    if want[0] == "ok" or spec.torch_fails or not spec.same_as:
+        return want
+    other, why = spec.same_as
+    warnings.warn(f"gloo failed on {name} ({want[1]}); held against gloo's {other} instead: "
+                  f"{why}")
+    return gloo_runs[other]
+
+
 def _check(got, want, name, where):
     """Outcome `got` against gloo's outcome `want` of program `name`."""
     spec = PROGRAMS[name]
@@ -86,7 +100,7 @@ def _check(got, want, name, where):
 def test_program_on_shm_matches_gloo(process_runs, name):
     _skip_if_unsupported(name)
     for rank, runs in enumerate(process_runs):
-        _check(runs["shm"][name], runs["gloo"][name], name, f"shm rank {rank}")
+        _check(runs["shm"][name], _reference(runs["gloo"], name), name, f"shm rank {rank}")
 
 
 @pytest.mark.multiprocess
@@ -94,7 +108,7 @@ def test_program_on_shm_matches_gloo(process_runs, name):
 def test_program_on_threaded_matches_gloo(process_runs, threaded_runs, name):
     _skip_if_unsupported(name)
     for rank, runs in enumerate(process_runs):
-        _check_threaded(threaded_runs, rank, runs["gloo"][name], name)
+        _check_threaded(threaded_runs, rank, _reference(runs["gloo"], name), name)
 
 
 def _skip_if_unsupported(name):
@@ -125,8 +139,8 @@ def test_slow_programs_match_gloo(tmp_path):
     threaded = _on_threads(SLOW, str(tmp_path))
     for name in SLOW:
         for rank, run in enumerate(runs):
-            _check(run["shm"][name], run["gloo"][name], name, f"shm rank {rank}")
-            _check_threaded(threaded, rank, run["gloo"][name], name)
+            _check(run["shm"][name], _reference(run["gloo"], name), name, f"shm rank {rank}")
+            _check_threaded(threaded, rank, _reference(run["gloo"], name), name)
 
 
 def _torchrun(out):

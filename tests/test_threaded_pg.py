@@ -735,11 +735,15 @@ def test_unittest_case_reports_rank_failures():
 
 def test_coexists_with_torchs_threaded_pg_in_one_process():
     """Guards: importing torch's multi_threaded_pg (which registers "threaded") after
-    threaded_pg moves spawn() to the alias and leaves torch's backend usable."""
+    threaded_pg moves spawn() to the alias and leaves torch's backend usable. Where torch's
+    register_backend refuses a taken name (torch 2.4), threaded_pg never holds "threaded"."""
     script = textwrap.dedent("""
         import threading, torch, torch.distributed as dist
         import threaded_pg
-        assert threaded_pg.backend_name() == "threaded"
+        from threaded_pg.plugin import ALIAS, create_threaded_process_group
+        from shmcoll.torch_backend.compat import registration_replaces
+        replaces = registration_replaces(ALIAS, create_threaded_process_group, ["cpu", "cuda"])
+        assert threaded_pg.backend_name() == ("threaded" if replaces else ALIAS)
         from torch.testing._internal.distributed import multi_threaded_pg as mt
         assert threaded_pg.backend_name() == "shmcoll_threaded"
         def body(rank, ws):

@@ -7,11 +7,14 @@ shmcoll.torch_backend.plugin does for "shm". The creator imports threaded_pg.bac
 process group, over the engine) when torch creates the first group.
 
 Name clash: torch's own `torch.testing._internal.distributed.multi_threaded_pg` registers
-"threaded" when it is imported (register_backend silently replaces an existing entry). So we
-register "threaded" only if the name is free, and always register the alias
+"threaded" when it is imported (torch 2.13's register_backend silently replaces an existing
+entry). So we register "threaded" only if the name is free, and always register the alias
 "shmcoll_threaded"; `backend_name()` answers, at each spawn, the name that currently maps to
 our creator. Importing torch's module after ours therefore leaves both usable: torch's tests
-get theirs under "threaded", spawn() uses ours under the alias.
+get theirs under "threaded", spawn() uses ours under the alias. Where register_backend
+refuses a name that is taken (torch 2.4 asserts), holding "threaded" would make torch's
+module fail to import after ours; there we register the alias only
+(compat.registration_replaces).
 
 Private torch symbols touched (checked against torch 2.13.0): `dist.Backend._plugins` (is
 the name free, and whose creator holds it) and `dist.Backend.register_backend(...,
@@ -41,22 +44,31 @@ def _owner(name):
     return None if plugin is None else plugin.creator_fn
 
 
+_DEVICES = ["cpu", "cuda"]
+_claim_backend = None  # whether to hold BACKEND while it is free: others can take it over
+
+
 def register():
-    """Register ALIAS always and BACKEND while free (idempotent); nothing where torch was
-    built without torch.distributed."""
+    """Register ALIAS always, and BACKEND while free where torch lets a later registration
+    take it over (idempotent); nothing where torch was built without torch.distributed."""
+    global _claim_backend
     import torch.distributed as dist
     if not dist.is_available():
         return
     if _owner(ALIAS) is not create_threaded_process_group:
         dist.Backend.register_backend(ALIAS, create_threaded_process_group, extended_api=True,
-                                      devices=["cpu", "cuda"])
-    if _owner(BACKEND) is None:
+                                      devices=_DEVICES)
+    if _claim_backend is None:
+        from shmcoll.torch_backend.compat import registration_replaces
+        _claim_backend = registration_replaces(ALIAS, create_threaded_process_group, _DEVICES)
+    if _claim_backend and _owner(BACKEND) is None:
         dist.Backend.register_backend(BACKEND, create_threaded_process_group, extended_api=True,
-                                      devices=["cpu", "cuda"])
+                                      devices=_DEVICES)
 
 
 def backend_name():
-    """"threaded" when that name is ours, else the alias."""
+    """"threaded" when that name is ours, else the alias (always on a torch whose
+    register_backend refuses a taken name)."""
     register()
     return BACKEND if _owner(BACKEND) is create_threaded_process_group else ALIAS
 

@@ -13,6 +13,7 @@ import datetime
 import threading
 
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from . import rng, world
 from .plugin import backend_name
@@ -91,4 +92,12 @@ class _Spawn(_Run):
 
     def _cleanup(self, rank):
         if dist.is_initialized():
+            from .backend import ThreadedProcessGroup
+            groups = [pg for pg in list(c10d._world.pg_map)
+                      if isinstance(pg, ThreadedProcessGroup)]
             dist.destroy_process_group()
+            # torch 2.4's destroy_process_group shuts down NCCL groups only (compat
+            # DESTROY_SHUTS_DOWN): stop the rank's groups here, their threads with them
+            # (a no-op for those torch already shut down)
+            for pg in groups:
+                pg.shutdown()

@@ -81,11 +81,11 @@ class WorkerMixin:
                 job = self._queue.popleft() if self._queue else None
             if job is not None:
                 job.execute()
+                with self._cv:  # before _running goes: a thread that runs the next job
+                    self._completions.append(job)  # must find this one ahead of it
         finally:
             self._running.release()
         if job is not None:
-            with self._cv:
-                self._completions.append(job)
             self._complete_in_order()
         return True
 

@@ -4,6 +4,7 @@ future values ProcessGroupGloo gives."""
 
 import copy
 import datetime
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -84,10 +85,14 @@ class ShmOptions:
     needs no thread pool: ops run in order on one executor per group).
 
     `pg.options` is bound to its group: reading `_timeout` gives the current default timeout,
-    assigning it changes the group's default (like `_set_default_timeout`)."""
+    assigning it changes the group's default (like `_set_default_timeout`). The binding is a
+    weak reference: the group holds its options, and a cycle back to it would keep a group
+    nobody references alive, with its shared memory and threads, until the garbage
+    collector ran (torch 2.4's destroy_process_group shuts down no group but NCCL's: the
+    group's last reference going is what releases it there)."""
 
     def __init__(self, timeout=None, threads=2, group_name="", devices=None):
-        self._pg = None
+        self._pg = None  # weakref.ref to the group these options are bound to (bind())
         self._timeout_s = DEFAULT_TIMEOUT_S if timeout is None else to_seconds(timeout)
         self._threads = threads
         self.group_name = group_name
@@ -95,15 +100,24 @@ class ShmOptions:
         self.global_ranks_in_group = []
         self.group_desc = ""
 
+    def bind(self, pg):
+        """Make these options `pg`'s own (`pg.options`)."""
+        self._pg = weakref.ref(pg)
+
+    def _bound(self):
+        return None if self._pg is None else self._pg()
+
     @property
     def _timeout(self):
-        s = self._pg.group.timeout_s if self._pg is not None else self._timeout_s
+        pg = self._bound()
+        s = pg.group.timeout_s if pg is not None else self._timeout_s
         return datetime.timedelta(seconds=s)
 
     @_timeout.setter
     def _timeout(self, value):
-        if self._pg is not None:
-            self._pg._set_default_timeout(value)
+        pg = self._bound()
+        if pg is not None:
+            pg._set_default_timeout(value)
         else:
             self._timeout_s = to_seconds(value)
 

@@ -64,7 +64,7 @@ class EngineProcessGroup(ReduceMixin, MovementMixin, GatherScatterMixin, P2PMixi
         self._store = store
         opts = options._unbound() if options is not None else \
             ShmOptions(timeout=group.timeout_s, group_name=group.name)
-        opts._pg = self
+        opts.bind(self)
         self._options = opts
         self._executor = self.executor_class(f"{backend_name}-{group.name or 'pg'}",
                                              on_abort=group.abort)
@@ -81,6 +81,9 @@ class EngineProcessGroup(ReduceMixin, MovementMixin, GatherScatterMixin, P2PMixi
         # `del pg` without shutdown (and interpreter exit, PG-53/55): stop the executor and
         # release the shared memory once the group object is gone.
         self._finalizer = weakref.finalize(self, _release, self._executor, group)
+        # the Works torch's C++ may still call, where it does not keep them alive itself
+        # (compat.Work); they go with this object
+        self._works_held = set()
         self._last_job = None  # jobs run in issue order: this one done = nothing pending
         done = Job("sync", lambda: None, [])
         done.execute()
@@ -117,7 +120,7 @@ class EngineProcessGroup(ReduceMixin, MovementMixin, GatherScatterMixin, P2PMixi
             self._last_job = job
             if count_seq:
                 self._seq += 1
-            work = ShmWork(self._executor, job)
+            work = ShmWork(self._executor, job, self._works_held)
             if self._coalescing is not None:
                 self._coalescing.append(work)
         return work

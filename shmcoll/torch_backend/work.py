@@ -5,6 +5,8 @@ import threading
 import torch
 import torch.distributed as dist
 
+from .compat import Work
+
 __all__ = ["Job", "ShmWork", "CompletedWork", "torch_error"]
 
 _ERROR_TYPES = {}
@@ -111,15 +113,15 @@ class Job:
         self.finished = True
 
 
-class ShmWork(dist.Work):
+class ShmWork(Work):
     """torch Work over a Job: wait(), get_future(), is_completed(), exception(), result()."""
 
-    def __init__(self, executor, job):
-        super().__init__()
+    def __init__(self, executor, job, holder=None):
+        super().__init__(holder)
         self._executor = executor
         self._job = job
 
-    def wait(self, timeout=None):
+    def _wait(self, timeout):
         timeout_s = None
         if timeout is not None:
             timeout_s = timeout.total_seconds() if hasattr(timeout, "total_seconds") \
@@ -139,7 +141,7 @@ class ShmWork(dist.Work):
             raise self._job.error
         return True
 
-    def get_future(self):
+    def _get_future(self):
         return self._job.future
 
     def is_completed(self):

@@ -10,7 +10,10 @@ registry keeps their order. `compare` says how a run is held against gloo's: BIT
 (rtol, atol) with the reason the reduction order differs. A program torch itself cannot
 run on CPU says why in `torch_fails`: gloo must fail, and "shm"/"threaded" the same way. A
 program that needs a newer torch than the oldest the package supports says so in `since`
-((major, minor), what it needs); on an older torch it is skipped with that reason.
+((major, minor), what it needs); on an older torch it is skipped with that reason. A
+program that computes what another one does by another route says so in `same_as`
+((program, why)): where gloo fails on it in a run, "shm"/"threaded" are held against
+gloo's run of that other program (with a warning naming gloo's failure).
 """
 
 import dataclasses
@@ -34,6 +37,7 @@ class Program:
     # (keys without "loss") must agree across the ranks
     threads_rng: tuple = ()
     since: tuple = ()  # ((major, minor), what needs it): skipped on an older torch
+    same_as: tuple = ()  # (program, why): the reference where gloo cannot run this one
 
     def unsupported(self, torch_version):
         """Why this torch cannot run the program (None when it can)."""
@@ -45,12 +49,14 @@ class Program:
 _REGISTRY = {}
 
 
-def program(name, compare=BITWISE, slow=False, torch_fails="", threads_rng=(), since=()):
+def program(name, compare=BITWISE, slow=False, torch_fails="", threads_rng=(), since=(),
+            same_as=()):
     """Register `fn` as program `name` (a decorator)."""
     def register(fn):
         if name in _REGISTRY:
             raise ValueError(f"program {name!r} registered twice")
-        _REGISTRY[name] = Program(name, fn, compare, slow, torch_fails, threads_rng, since)
+        _REGISTRY[name] = Program(name, fn, compare, slow, torch_fails, threads_rng, since,
+                                  same_as)
         return fn
     return register
 

@@ -13,7 +13,9 @@ job. Each backend's final parameters go to DIR/<backend>/final.pt (rank 0); the 
 compares them bitwise (2 ranks: each reduced element is one addition a + b).
 
 Rendezvous: torchrun's agent keeps one store for all attempts, and env:// uses it without a
-per-attempt prefix. After a restart, a gloo rank can read its peer's address from the dead
+per-attempt prefix (where torchrun shares it with the workers, TORCHELASTIC_USE_AGENT_STORE;
+torch 2.4's does not, and rank 0 hosts the job's store at MASTER_ADDR:MASTER_PORT, as env://
+does then: job_store). After a restart, a gloo rank can read its peer's address from the dead
 attempt before the peer rewrote it (a race: "Gloo connectFullMesh failed ... Connection
 refused" in 2 of 3 runs here, torch 2.13, 60 s timeout; "shm" restarts fine, its rendezvous
 keys carry a fresh token). So every (attempt, backend) gets a PrefixStore of its own over
@@ -24,6 +26,7 @@ import argparse
 import datetime
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -38,19 +41,28 @@ STEPS = 5
 CRASH_AT = 3
 
 
-def train(backend, out, attempt, crash):
+TIMEOUT = datetime.timedelta(seconds=60)
+
+
+def job_store():
+    """The attempt's store: torchrun's agent store where torchrun shares it with the workers,
+    else one that rank 0 hosts (torch's env:// rendezvous decides the same way)."""
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                         is_master=not shared and rank == 0, timeout=TIMEOUT)
+
+
+def train(backend, out, attempt, crash, job):
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     ckpt = os.path.join(out, backend, "checkpoint.pt")
     final = os.path.join(out, backend, "final.pt")
     if os.path.exists(final):
         return  # finished in an earlier attempt
     os.makedirs(os.path.dirname(ckpt), exist_ok=True)
-    timeout = datetime.timedelta(seconds=60)
-    agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                is_master=False, timeout=timeout)
-    store = dist.PrefixStore(f"attempt{attempt}/{backend}", agent_store)
+    store = dist.PrefixStore(f"attempt{attempt}/{backend}", job)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                            timeout=timeout)
+                            timeout=TIMEOUT)
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     start = 0
@@ -90,9 +102,19 @@ def main():
 
     torch.set_num_threads(1)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    job = job_store()
     for index, backend in enumerate(a.backends.split(",")):
-        train(backend, a.out, attempt, crash=(index == attempt))
+        train(backend, a.out, attempt, crash=(index == attempt), job=job)
     print(f"rank {os.environ['RANK']} done in attempt {attempt}", flush=True)
+    # a store rank 0 hosts goes with its process: it leaves after everyone is done with it
+    key = f"attempt{attempt}/finished"
+    finished = job.add(key, 1)
+    deadline = time.monotonic() + TIMEOUT.total_seconds()
+    while int(os.environ["RANK"]) == 0 and finished < int(os.environ["WORLD_SIZE"]):
+        if time.monotonic() > deadline:
+            raise TimeoutError("rank 0: the other ranks did not finish with the job's store")
+        time.sleep(0.05)
+        finished = job.add(key, 0)
 
 
 if __name__ == "__main__":
