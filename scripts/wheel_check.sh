@@ -5,10 +5,11 @@
 # wheel ships are loaded): a 2-rank all_reduce without torch (the engine's numpy API); then,
 # torch added through the `torch` extra, every collective a first job meets on "shm" in 2
 # rank processes with a writable site-packages and no `import shmcoll` (the wheel's
-# torch.backends entry point registers it), and in 4 rank threads (threaded_pg); then with
-# site-packages read-only (numba's kernel cache then goes to $HOME/.cache; autoload off,
-# `import shmcoll` registers), then with HOME unwritable too (shmcoll's private temp
-# directory). About 3 min on the 2-core CI machine, 4-7 when it is loaded.
+# torch.backends entry point registers it), and in 4 rank threads (threaded_pg); then a
+# 2-rank all_reduce with site-packages read-only (numba's kernel cache then goes to
+# $HOME/.cache; autoload off, `import shmcoll` registers), then with HOME unwritable too
+# (shmcoll's private temp directory). 3 min on the 2-core machine at load 4 (main's
+# before the kernels: 2.3 min), 5 min at load 5-7.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -87,10 +88,11 @@ TORCH_PID=
 "$VPY" -m pip install -q --no-compile "$WHEEL[torch]"
 SITE=$("$VPY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 echo "wheel check: torch added (shmcoll[torch]) at $((SECONDS - t0)) s"
-check=("$VPY" "$REPO/scripts/wheel_check.py" --expect-prefix "$SITE" --expect-no-compile
-       --workload)
-# writable: the cache next to the sources; "shm" from the wheel's entry point alone
-"${run[@]}" HOME="$WORK/home" "${check[@]}" --mode autoload --threads 4
+check=("$VPY" "$REPO/scripts/wheel_check.py" --expect-prefix "$SITE" --expect-no-compile)
+# writable: the cache next to the sources; "shm" from the wheel's entry point alone; every
+# collective (the shipped kernels are read where they lie: the read-only runs below check
+# where numba's cache goes, with the first all_reduce)
+"${run[@]}" HOME="$WORK/home" "${check[@]}" --mode autoload --workload --threads 4
 readonly_site "${run[@]}" HOME="$WORK/home" TORCH_DEVICE_BACKEND_AUTOLOAD=0 "${check[@]}" \
     --mode import --expect-cache-outside "$SITE"
 readonly_site "${run[@]}" HOME=/proc/nonexistent TMPDIR="$WORK" "${check[@]}" \
