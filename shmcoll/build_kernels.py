@@ -6,7 +6,8 @@ build(<the build directory's package>) after build_py.
 build() compiles every kernel -- what `python -m shmcoll.warmup` compiles -- for each
 target CPU this machine runs (prebuilt.targets()), in child processes that run with
 NUMBA_CPU_NAME=<target>, NUMBA_CPU_FEATURES='' and prebuilt.BUILD_ENV pointing at their
-own directory, two at a time (PARTS: about as long each, and sharing no kernel), then
+own directory, as many at a time as there are cores (PARTS: two, about as long each,
+sharing no kernel), then
 merges their files into <package dir>/_kernels/<cpu>/ with a manifest (prebuilt.fields,
 prebuilt.key). Then a last child, on this machine's CPU with an empty numba cache, runs
 the full warm-up from them and a few reductions against numpy: any compilation, or a
@@ -25,6 +26,7 @@ from pathlib import Path
 from . import jit, prebuilt
 
 __all__ = ["build", "PARTS", "ALL", "main"]
+
 
 def _warm_protocol():
     from . import atomics, kernels, p2p, protocol

@@ -4,11 +4,12 @@ Every kernel is made by `kernel(...)` (numba.njit) or `cfunc(sig, fn)` (numba.cf
 give it prebuilt.KernelCache: it loads the kernels a wheel ships (compiled when the wheel
 was built, prebuilt.py) where they match this install, else numba's cache as below.
 Without shipped kernels, the first process that needs one compiles it (~0.05-1 s) and
-writes it to numba's cache; every later process loads it (~10 ms). numba picks the cache directory per source file: `NUMBA_CACHE_DIR` when set, else
-`__pycache__` next to the sources when writable, else a per-user directory
-(~/.cache/numba). When none of these is writable (a read-only image whose HOME is
-read-only too) numba would refuse to define the kernels at import; `_ensure_cache_dir`
-then points it at a private directory under the temp dir instead (logged once).
+writes it to numba's cache; every later process loads it (~10 ms). numba picks the cache
+directory per source file: `NUMBA_CACHE_DIR` when set, else `__pycache__` next to the
+sources when writable, else a per-user directory (~/.cache/numba). When none of these is
+writable (a read-only image whose HOME is read-only too) numba would refuse to define the
+kernels at import; `_ensure_cache_dir` then points it at a private directory under the
+temp dir instead (logged once).
 
 compiling(what) holds the job's compile lock: a lock for the rank threads of this process,
 and an exclusive flock on `<cache dir>/shmcoll-compile.lock` for the processes sharing the

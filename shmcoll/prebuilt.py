@@ -56,8 +56,9 @@ BUILD_ENV = "SHMCOLL_PREBUILD_DIR"  # set only in the build's children: where th
 # The CPUs the build compiles for, by architecture (platform.machine()), best first, with
 # the host CPU features each needs (LLVM's names, as llvmlite's get_host_cpu_features
 # gives them). x86-64-v3 (AVX2, FMA, F16C: Intel Haswell, AMD Zen and later), not the
-# x86-64 baseline (numba's "generic": SSE2): the baseline's reducers measured 1.6-4.8x
-# slower for bfloat16 and float16 and 1.1-1.3x for float32 (docs/COLD_START.md).
+# x86-64 baseline (numba's "generic": SSE2): the baseline's reducers measured 1.7-3.3x
+# slower for bfloat16, 1.9-2.4x for float16 and up to 1.25x for float32 and integer sums,
+# x86-64-v3's as fast as this CPU's own (lab/kernel_target.py, docs/COLD_START.md).
 X86_64_V3 = ("avx", "avx2", "bmi", "bmi2", "cx16", "f16c", "fma", "lzcnt", "movbe",
              "popcnt", "sahf", "sse3", "sse4.1", "sse4.2", "ssse3", "xsave")
 TARGETS = {"x86_64": (("x86-64-v3", X86_64_V3),)}

@@ -1,7 +1,8 @@
-"""Kernels shipped in the wheel (shmcoll/prebuilt.py, shmcoll/build_kernels.py): a build of a group's first kernels
-into a copy of the package is loaded -- nothing compiled, right results, in rank processes
-and rank threads --; an edited source, another numba, a CPU without the target's features,
-a broken file: never loaded, the kernels compile as without them.
+"""Kernels shipped in the wheel (shmcoll/prebuilt.py, shmcoll/build_kernels.py): a build of
+a group's first kernels into a copy of the package is loaded -- nothing compiled, right
+results, in rank processes and rank threads --; an edited source, another numba, a CPU
+without the target's features, a broken file: never loaded, the kernels compile as
+without them.
 
 The full set and the installed wheel are checked by scripts/wheel_check.sh."""
 
