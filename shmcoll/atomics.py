@@ -15,14 +15,13 @@ import platform
 import sys
 import time
 
-import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from . import jit  # noqa: F401  (numba's cache directory, before the kernels below)
+from . import jit
 
 __all__ = [
     "load_acquire",
@@ -247,7 +246,7 @@ def copy_bytes(typingctx, dst, src, nbytes):
     return sig, codegen
 
 
-@numba.njit(nogil=True, cache=True)
+@jit.kernel(nogil=True)
 def wait_all_ge(addrs, target, spins, yield_ns, abort_addr):
     """Wait until every word at `addrs` is >= target, or give up.
 
@@ -282,7 +281,7 @@ def wait_all_ge(addrs, target, spins, yield_ns, abort_addr):
     return -1
 
 
-@numba.njit(nogil=True, cache=True)
+@jit.kernel(nogil=True)
 def wait_any_ge(addrs, targets, spins, yield_ns, abort_addr):
     """Wait until some word `addrs[k]` is >= `targets[k]`, or give up.
 
@@ -313,13 +312,13 @@ def wait_any_ge(addrs, targets, spins, yield_ns, abort_addr):
         sched_yield()
 
 
-@numba.njit(nogil=True, cache=True)
+@jit.kernel(nogil=True)
 def read_acquire(addr):
     """Python-callable acquire load of the int64 at `addr`."""
     return load_acquire(addr)
 
 
-@numba.njit(nogil=True, cache=True)
+@jit.kernel(nogil=True)
 def write_release(addr, value):
     """Python-callable release store of `value` into the int64 at `addr`."""
     store_release(addr, value)

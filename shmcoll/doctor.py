@@ -26,7 +26,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from . import config, jit, pages
+from . import config, jit, pages, prebuilt
 from .algorithms import SINGLE_COPY_MIN, SINGLE_COPY_SMALL_PAGES_MAX
 from .protocol import RegionLayout
 from .single_copy import CMA
@@ -273,6 +273,13 @@ def check_cache(opts):
                               "cache internals this was not written for): kernels may "
                               "compile in every process")]
     found = [Finding(INFO, f"numba caches shmcoll's kernels in {where}")]
+    shipped = prebuilt.status()
+    if shipped.path is not None:
+        return found + [Finding(OK, f"the kernels shipped in the wheel match this install "
+                                    f"({shipped.manifest.get('cpu')}, numba "
+                                    f"{shipped.manifest.get('numba')}): nothing to compile "
+                                    f"({shipped.path})")]
+    found.append(Finding(INFO, f"shipped kernels not used: {shipped.reason}"))
     funcs, reducers, n_reducers = _kernel_functions()
     counts = [jit.cached_entries(f) for f in funcs]
     if None in counts:

@@ -1,12 +1,15 @@
 """Where numba caches shmcoll's compiled kernels, and the lock ranks compile them under.
 
-Every kernel is compiled by numba with cache=True: the first process that needs one
-compiles it (~0.05-1 s) and writes it to numba's cache; every later process loads it
-(~10 ms). numba picks the cache directory per source file: `NUMBA_CACHE_DIR` when set, else
-`__pycache__` next to the sources when writable, else a per-user directory
-(~/.cache/numba). When none of these is writable (a read-only image whose HOME is
-read-only too) numba would refuse to define the kernels at import; `_ensure_cache_dir`
-then points it at a private directory under the temp dir instead (logged once).
+Every kernel is made by `kernel(...)` (numba.njit) or `cfunc(sig, fn)` (numba.cfunc), which
+give it prebuilt.KernelCache: it loads the kernels a wheel ships (compiled when the wheel
+was built, prebuilt.py) where they match this install, else numba's cache as below.
+Without shipped kernels, the first process that needs one compiles it (~0.05-1 s) and
+writes it to numba's cache; every later process loads it (~10 ms). numba picks the cache
+directory per source file: `NUMBA_CACHE_DIR` when set, else `__pycache__` next to the
+sources when writable, else a per-user directory (~/.cache/numba). When none of these is
+writable (a read-only image whose HOME is read-only too) numba would refuse to define the
+kernels at import; `_ensure_cache_dir` then points it at a private directory under the
+temp dir instead (logged once).
 
 compiling(what) holds the job's compile lock: a lock for the rank threads of this process,
 and an exclusive flock on `<cache dir>/shmcoll-compile.lock` for the processes sharing the
@@ -27,11 +30,13 @@ import threading
 import time
 
 import numba
+from numba.core.dispatcher import Dispatcher
 
-from . import config
+from . import config, prebuilt
 from .errors import CollectiveTimeoutError
 
-__all__ = ["compiling", "once", "is_done", "cache_dir", "cached_entries", "LOCK_NAME"]
+__all__ = ["kernel", "cfunc", "compiling", "once", "is_done", "cache_dir", "cached_entries",
+           "LOCK_NAME"]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +47,28 @@ _POLL_MIN_S, _POLL_MAX_S = 0.005, 0.05
 _tlock = threading.RLock()  # rank threads of this process; numba's own lock is global too
 _depth = 0  # nesting of compiling() in the thread that holds _tlock
 _fd = None  # the lock file, opened once per process (reopened after a fork); False: none
+
+
+def kernel(**options):
+    """Decorator: numba.njit(**options) with shmcoll's kernel cache (the shipped kernels,
+    then numba's cache; prebuilt.py) instead of cache=True."""
+    def decorate(fn):
+        disp = numba.njit(**options)(fn)
+        if isinstance(disp, Dispatcher):  # not under NUMBA_DISABLE_JIT
+            disp._cache = prebuilt.KernelCache(fn)
+        return disp
+    return decorate
+
+
+def cfunc(sig, fn):
+    """numba.cfunc(sig)(fn) with shmcoll's kernel cache, loaded or compiled now (as
+    numba.cfunc does)."""
+    from numba.core import sigutils
+    from numba.core.ccallback import CFunc
+    cf = CFunc(fn, sigutils.normalize_signature(sig), locals={}, options={})
+    cf._cache = prebuilt.KernelCache(fn)
+    cf.compile()
+    return cf
 
 
 def _probe():

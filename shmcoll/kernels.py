@@ -53,7 +53,7 @@ __all__ = [
 
 OP_SUM, OP_PRODUCT, OP_MIN, OP_MAX, OP_BAND, OP_BOR, OP_BXOR = range(7)
 
-_jit = numba.njit(nogil=True, cache=True, boundscheck=False)
+_jit = jit.kernel(nogil=True, boundscheck=False)
 
 # Storage dtypes per kind: bool is uint8 holding 0/1, float16/bfloat16 are uint16 bits.
 KINDS = {
@@ -64,6 +64,7 @@ KINDS = {
     "bfloat16": (np.uint16,),
     "bool": (np.uint8,),
 }
+KINDS_16 = ("float16", "bfloat16")  # kept as uint16 bits, reduced in float32
 _FLOAT_OPS = {OP_SUM, OP_PRODUCT, OP_MIN, OP_MAX}
 _KIND_OPS = {
     "int": set(range(7)),
@@ -343,7 +344,7 @@ def _build(storage, kind, sum_only):
         raise ValueError(f"unknown kind {kind!r}; expected one of {sorted(KINDS)}")
     if storage.type not in KINDS[kind]:
         raise ValueError(f"dtype {storage} does not match kind {kind!r}")
-    same = kind not in ("float16", "bfloat16")
+    same = kind not in KINDS_16
     key = (storage, "same" if same else kind, sum_only)
     what = f"the {storage if same else kind} {'sum' if sum_only else 'reduction'} kernel"
     with jit.compiling(what):
@@ -351,7 +352,7 @@ def _build(storage, kind, sum_only):
         if cf is None:
             body = _build_same(storage, sum_only) if same else \
                 _build_16(kind == "bfloat16", sum_only)
-            cf = _cfuncs[key] = numba.cfunc(_SIG, cache=True)(body)
+            cf = _cfuncs[key] = jit.cfunc(_SIG, body)
     return cf
 
 
@@ -449,10 +450,12 @@ def reduce_unchecked(out, srcs, fn, op, pre=1.0, post=1.0):
         _reduce_call(fn, out.view(np.uint8), srcs, op, pre, post)
 
 
-def warm_up(kinds=None):
-    """Compile or load from cache the reducers of `kinds` (default all); seconds."""
+def warm_up(kinds=None, python_call=True):
+    """Compile or load from cache the reducers of `kinds` (default all), and the way
+    Python calls them unless not `python_call`; seconds."""
     t0 = time.perf_counter()
-    jit.once(_REDUCE_CALL, _warm_reduce_call)
+    if python_call:
+        jit.once(_REDUCE_CALL, _warm_reduce_call)
     for kind in KINDS if kinds is None else kinds:
         for dt in KINDS[kind]:
             for op in (OP_BAND,) if kind == "bool" else (OP_SUM, OP_PRODUCT):

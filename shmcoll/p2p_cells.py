@@ -7,7 +7,6 @@ Also the two constants that the engine (p2p.py) and its progress thread
 ANY_SOURCE and ensure_kernels.
 """
 
-import numba
 import numpy as np
 
 from . import jit
@@ -58,7 +57,7 @@ def _warm_kernels():
 # -- cell kernels (rules 1-3): per-cell work in compiled code, GIL released ------------------
 # `ring` is one pair's K cells (uint8, K * stride bytes), `ring_addr` its address.
 
-@numba.njit(nogil=True, cache=True)
+@jit.kernel(nogil=True)
 def _push_cells(ring, ring_addr, K, stride, sent, room, consumed_addr, data, j, msg, tag):
     """Write cells j, j+1, ... of message `msg` (= data) as pair cells sent+1, ... while
     the ring has room. Returns (sent, room, j) after."""
@@ -88,7 +87,7 @@ def _push_cells(ring, ring_addr, K, stride, sent, room, consumed_addr, data, j, 
     return sent, room, j
 
 
-@numba.njit(nogil=True, cache=True)
+@jit.kernel(nogil=True)
 def _peek_cell(ring, ring_addr, K, stride, taken):
     """(ready, msg, tag, total, offset, nbytes) of pair cell taken+1, without consuming it."""
     p = (taken % K) * stride
@@ -100,7 +99,7 @@ def _peek_cell(ring, ring_addr, K, stride, taken):
             words[w + _H_OFFSET], words[w + _H_NBYTES])
 
 
-@numba.njit(nogil=True, cache=True)
+@jit.kernel(nogil=True)
 def _take_cells(ring, ring_addr, K, stride, taken, consumed_addr, buf, copy, msg, tag, total, j):
     """Consume cells j, j+1, ... of message (msg, tag, total) while present, copying them
     into buf if `copy`. Returns (taken, j, corrupt) after; stops at a bad header."""

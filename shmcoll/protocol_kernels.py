@@ -12,7 +12,6 @@ reduce through a reducer's address (kernels.call_reduce), so each compiles once 
 dtype. protocol.py re-exports the names other modules use.
 """
 
-import numba
 import numpy as np
 
 from . import jit
@@ -121,7 +120,7 @@ _NO_BYTES = np.zeros(0, np.uint8)
 _ZERO, _DONE = np.int64(0), np.int64(-1)
 
 
-@numba.njit(nogil=True, cache=True)
+@jit.kernel(nogil=True)
 def post_wake(posted_addr, step):
     """Rule 2 and the waker's half of rule 5's sleeper handshake: publish `step` in the
     POSTED word at `posted_addr`, then wake the peers asleep on it, if any (a full fence
@@ -132,7 +131,7 @@ def post_wake(posted_addr, step):
         futex_wake(posted_addr)
 
 
-@numba.njit(nogil=True, cache=True)
+@jit.kernel(nogil=True)
 def sleep_on(posted_addr, target, timeout_ns):
     """The sleeper's half of rule 5: sleep at most `timeout_ns` unless the POSTED word at
     `posted_addr` (a peer's) reaches `target`; its post wakes us at once."""
@@ -144,7 +143,7 @@ def sleep_on(posted_addr, target, timeout_ns):
     add_release(posted_addr + _SLEEPERS_DELTA, -1)
 
 
-@numba.njit(nogil=True, cache=True)
+@jit.kernel(nogil=True)
 def _exchange_kernel(src, byte_offset, nbytes, dst, fp_addr, f0, f1, f2, f3, f4, f5, f6, f7,
                      seq_addr, seq, posted_addr, step, peer_posted, peer_fp, peer_state,
                      spins, yield_ns, abort_addr, verify, gil_addr, gil_me):
@@ -157,7 +156,7 @@ def _exchange_kernel(src, byte_offset, nbytes, dst, fp_addr, f0, f1, f2, f3, f4,
     return r
 
 
-@numba.njit(nogil=True, cache=True)
+@jit.kernel(nogil=True)
 def _one_step_kernel(mode, src, out, cfg, peer_tab, srcs, plan, pre, post, seq, step, root):
     """Arena.one_step's compiled body: _exchange_steps (copy src into my slot of `srcs`
     unless I am a broadcast's non-root, write fingerprint [seq, step - 1, *plan[:6]], post
@@ -179,7 +178,7 @@ def _one_step_kernel(mode, src, out, cfg, peer_tab, srcs, plan, pre, post, seq, 
     return r
 
 
-@numba.njit(nogil=True, cache=True)
+@jit.kernel(nogil=True)
 def _one_step_consume(mode, src, out, srcs, rank, root, fn, op, pre, post):
     """The work after Arena.one_step's wait, per mode (every rank's copy is in its slot
     of `srcs`, at offset 0; `fn` reduces). The same work as _consume's for one sub-chunk,
@@ -202,7 +201,7 @@ def _one_step_consume(mode, src, out, srcs, rank, root, fn, op, pre, post):
         copy_bytes(src.ctypes.data, srcs[root], nbytes)
 
 
-@numba.njit(nogil=True, cache=True)
+@jit.kernel(nogil=True)
 def _wait_kernel(peer_posted, target, spins, yield_ns, abort_addr, gil_addr, gil_me):
     """Arena.wait_all's compiled wait: atomics.wait_all_ge between _gil_enter / _gil_leave
     (rank threads then take the Python turn on the way out, as after an exchange)."""
@@ -212,7 +211,7 @@ def _wait_kernel(peer_posted, target, spins, yield_ns, abort_addr, gil_addr, gil
     return r
 
 
-@numba.njit(nogil=True, cache=True)
+@jit.kernel(nogil=True)
 def _gil_enter(turn_addr, me):
     """Rank threads (threaded_pg) only: entering compiled code, so give up the Python turn
     if this thread holds it (see _gil_leave)."""
@@ -220,7 +219,7 @@ def _gil_enter(turn_addr, me):
         store_release(turn_addr, 0)
 
 
-@numba.njit(nogil=True, cache=True)
+@jit.kernel(nogil=True)
 def _gil_leave(turn_addr, me, r, spins):
     """Rank threads only, before returning to Python (which takes the GIL back).
 
@@ -253,7 +252,7 @@ def _gil_leave(turn_addr, me, r, spins):
             sched_yield()
 
 
-@numba.njit(nogil=True, cache=True)
+@jit.kernel(nogil=True)
 def _exchange_steps(src, byte_offset, nbytes, dst, fp_addr, f0, f1, f2, f3, f4, f5, f6, f7,
                     seq_addr, seq, posted_addr, step, peer_posted, peer_fp, peer_state,
                     spins, yield_ns, abort_addr, verify):
@@ -292,7 +291,7 @@ def _exchange_steps(src, byte_offset, nbytes, dst, fp_addr, f0, f1, f2, f3, f4, 
     return -1
 
 
-@numba.njit(nogil=True, cache=True)
+@jit.kernel(nogil=True)
 def _stream_kernel(mode, src, byte_offset, nbytes, sub, k0, dst, fp_addr, f0, f1, f2, f3, f4,
                    f5, f6, f7, seq_addr, seq, posted_addr, step0, peer_posted, peer_fp,
                    peer_state, spins, yield_ns, abort_addr, verify, srcs, rank, fn, op, pre,
@@ -320,7 +319,7 @@ def _stream_kernel(mode, src, byte_offset, nbytes, sub, k0, dst, fp_addr, f0, f1
     return nsub, -1
 
 
-@numba.njit(nogil=True, cache=True)
+@jit.kernel(nogil=True)
 def _two_shot_kernel(buf, size, sub, p0, dst, fp_addr, f0, f1, f2, f3, f4, f5, f6, f7,
                      seq_addr, seq, posted_addr, step0, peer_posted, peer_fp, peer_state,
                      spins, yield_ns, abort_addr, verify, srcs, rank, fn, op, pre, post,
@@ -348,7 +347,7 @@ def _two_shot_kernel(buf, size, sub, p0, dst, fp_addr, f0, f1, f2, f3, f4, f5, f
     return nphase, -1
 
 
-@numba.njit(nogil=True, cache=True)
+@jit.kernel(nogil=True)
 def _two_shot_consume(p, buf, size, sub, srcs, rank, fn, op, pre, post):
     """The work after step p's wait (`buf`: bytes of `size`-byte elements). Even step
     (sub-chunk k = p // 2 in every sub-slot): reduce my slice of it, in rank order, into
@@ -376,7 +375,7 @@ def _two_shot_consume(p, buf, size, sub, srcs, rank, fn, op, pre, post):
                        (hi - lo) * size)
 
 
-@numba.njit(nogil=True, cache=True)
+@jit.kernel(nogil=True)
 def _consume(mode, src, byte_offset, nbytes, srcs, ring, rank, fn, op, pre, post, out,
              out_offset, stride):
     """Use every rank's copy of one sub-chunk (at srcs[j] + ring: their sub-slots, mine

@@ -29,14 +29,13 @@ import ctypes
 import errno as _errno
 import os
 
-import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from . import jit  # noqa: F401  (numba's cache directory, before the kernels below)
+from . import jit
 from .atomics import copy_bytes
 from .kernels import call_reduce
 
@@ -82,7 +81,7 @@ def peer_read(typingctx, pid, local, remote, nbytes):
     return sig, codegen
 
 
-@numba.njit(nogil=True, cache=True)
+@jit.kernel(nogil=True)
 def fetch(mode, pid, local, remote, nbytes):
     """Copy `nbytes` from `remote` (an address in the peer's address space) to `local`:
     0, or -errno (CMA). CMA may copy less than asked (a fault part-way): go on from there."""
@@ -101,7 +100,7 @@ def fetch(mode, pid, local, remote, nbytes):
 
 
 
-@numba.njit(nogil=True, cache=True)
+@jit.kernel(nogil=True)
 def reduce_from_peers(mode, pids, addrs, rank, out, offset, scratch, piece, fn, op, pre,
                       post):
     """out[i] = the reduction (reducer `fn`, kernels.py), in rank order, of the bytes at
@@ -133,7 +132,7 @@ def reduce_from_peers(mode, pids, addrs, rank, out, offset, scratch, piece, fn, 
     return -1, 0
 
 
-@numba.njit(nogil=True, cache=True)
+@jit.kernel(nogil=True)
 def gather_from_peers(mode, pids, rank, peers, remote, local, nbytes):
     """For each k: copy nbytes[k] from `remote[k]` in rank peers[k]'s address space to
     `local[k]`, starting with the entry after my rank's turn (ranks start on different
