@@ -113,6 +113,16 @@ def _register_plugin(name: str) -> None:
                 "backend 'shm' unavailable: 'import shmcoll' succeeded but did not call "
                 "dist.Backend.register_backend('shm', creator, devices=['cpu'])"
             )
+        if os.environ.get("SHMCOLL_CONF_START_METHOD") == "forkserver":
+            # The ranks fork from a server that imported this module: load the adapter and
+            # the engine and ready the kernels a group loads at creation here, once, as
+            # torch and the suite are (`import shmcoll` loads neither: PEP 562). Else every
+            # rank of every test imports numba and readies it (~1-2 s of CPU each: the
+            # 3-rank subset took 320 s instead of ~110). The main suite covers a rank's
+            # own first load.
+            import shmcoll.torch_backend.process_group  # noqa: F401
+            from shmcoll import warmup
+            warmup.warm_up(warmup.FIRST_REDUCERS)
         return
     raise ConformanceSetupError(f"unknown plugin {name!r}")
 
