@@ -4,6 +4,7 @@ import numpy as np
 
 from . import config as _config
 from .group import Group, describe_fingerprint, is_oversubscribed
+from .init_phases import phase
 from .p2p import P2PEngine
 from .pages import numpy_buffers_small_pages
 from .protocol import YIELD_NS, Arena, RegionLayout
@@ -40,16 +41,20 @@ def new_shm_group(store, rank, world_size, timeout_s=1800.0, cfg=None, name="",
                           _config.p2p_cells(cfg, world_size), cfg.p2p_cell_nbytes)
     if small_pages is None:
         small_pages = numpy_buffers_small_pages()
-    regions = ShmRegions(store, rank, world_size, layout, timeout_s, cfg.shm_dir,
-                         cfg.single_copy, small_pages)
+    with phase("segments"):
+        regions = ShmRegions(store, rank, world_size, layout, timeout_s, cfg.shm_dir,
+                             cfg.single_copy, small_pages)
     liveness = PidLiveness(regions.pids)
     spin = {"spin": False, "yield": True}.get(cfg.spin,
                                               is_oversubscribed(ranks_here or world_size))
-    arena = Arena(regions.regions, rank, layout, liveness, describe_fingerprint, oversubscribed=spin,
-                  pids=regions.pids, single_copy=regions.single_copy,
-                  yield_ns=YIELD_NS if yield_ns is None else yield_ns)
+    with phase("arena"):
+        arena = Arena(regions.regions, rank, layout, liveness, describe_fingerprint,
+                      oversubscribed=spin, pids=regions.pids, single_copy=regions.single_copy,
+                      yield_ns=YIELD_NS if yield_ns is None else yield_ns)
     try:
-        p2p = P2PEngine(regions.regions, rank, layout, liveness, oversubscribed=spin, name=name)
+        with phase("p2p engine"):
+            p2p = P2PEngine(regions.regions, rank, layout, liveness, oversubscribed=spin,
+                            name=name)
     except BaseException:
         liveness.close()
         regions.close()
@@ -60,5 +65,6 @@ def new_shm_group(store, rank, world_size, timeout_s=1800.0, cfg=None, name="",
                   aborter=p2p.abort, single_copy_always=cfg.single_copy == "always",
                   small_pages=regions.small_pages)
     group.attach_p2p(p2p)
-    wait_ready(timeout_s)  # see warmup.py: a loader beside the first collectives slows them
+    with phase("wait for warm-up"):
+        wait_ready(timeout_s)  # see warmup.py: a loader beside the first collectives slows them
     return group

@@ -23,6 +23,7 @@ import time
 import numpy as np
 
 from . import atomics, kernels, p2p, protocol
+from .init_phases import phase
 
 __all__ = ["warm_up", "warm_up_async", "wait_ready", "FIRST_REDUCERS"]
 
@@ -40,15 +41,18 @@ def warm_up(reducers=None):
     t0 = time.perf_counter()
     with _lock:
         try:
-            atomics.warm_up()
-            protocol.warm_up_one_step()
+            with phase("kernels: atomics"):
+                atomics.warm_up()
+            with phase("kernels: one-step"):
+                protocol.warm_up_one_step()
             if reducers is None:
                 protocol.warm_up()
                 kernels.warm_up()
                 p2p.ensure_kernels()
             else:
                 for kind, storage, op in reducers:
-                    kernels.reducer(storage, kind, op)
+                    with phase(f"kernels: {np.dtype(storage)} {kind} reducer"):
+                        kernels.reducer(storage, kind, op)
         finally:
             _ready.set()  # a failed warm-up must not block group creation
     return time.perf_counter() - t0

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from .. import config as _config
 from ..errors import GroupAbortedError
+from ..init_phases import phase
 from . import checks
 from .barriers import BarrierMixin
 from .convert import timeout_s, to_seconds
@@ -354,4 +355,5 @@ class ProcessGroupShm(EngineProcessGroup):
         # told otherwise (pages.py): that bounds where reading peers' buffers pays
         group = new_shm_group(store, rank, size, timeout_s=options._timeout.total_seconds(),
                               name=options.group_name, small_pages=torch_buffers_small_pages())
-        super().__init__(group, "shm", store=store, options=options)
+        with phase("adapter"):
+            super().__init__(group, "shm", store=store, options=options)
