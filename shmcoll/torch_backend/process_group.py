@@ -217,6 +217,7 @@ class EngineProcessGroup(ReduceMixin, MovementMixin, GatherScatterMixin, P2PMixi
 
     def _device_path(self, tensors):
         if self._device is None:
+            self.group.wait_kernels()  # cuda_ipc may load kernels (see Group's kernel gate)
             import cuda_ipc
             self._device = cuda_ipc.device_path(self, tensors[0].device, self._cfg)
         return self._device
