@@ -110,8 +110,9 @@ def run_once(backend, world_size, rendezvous="tcp", preload=False, tree=_REPO,
     init = f"tcp://127.0.0.1:{_free_port()}" if rendezvous == "tcp" else \
         f"file://{tmp}/rendezvous"
     argv = [str(world_size), backend, init, "preload" if preload else "-"]
+    # cwd: `python -c` puts it first on sys.path, before PYTHONPATH
     procs = [subprocess.Popen([sys.executable, "-c", _RANK, str(r)] + argv, env=_env(tree),
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              cwd=str(tree), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
              for r in range(world_size)]
     try:
