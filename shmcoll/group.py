@@ -79,7 +79,7 @@ class Group(ReduceMixin, MovementMixin, P2PMixin):
 
     def __init__(self, arena, rank, world_size, timeout_s=1800.0, direct_max_nbytes=-1,
                  closers=(), name="", aborter=None, single_copy_always=False,
-                 small_pages=False):
+                 small_pages=False, kernels=None):
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = float(timeout_s)
@@ -97,6 +97,13 @@ class Group(ReduceMixin, MovementMixin, P2PMixin):
         self._closed = False
         self.flight_record = collections.deque(maxlen=FLIGHT_RECORD_LEN)
         self._plans = {}  # per call shape of the common forms: see _plan
+        # The kernel gate: None once the kernels every call needs are loaded, else
+        # kernels(timeout_s) -> bool, which loads them or waits for the loader that does
+        # (warmup.ensure: new_shm_group returns before its warm-up is done). Every call
+        # passes it first, in _usable, before anything that may load a kernel (a thread
+        # that did, while numba readies itself in the warm-up, would hold the job's
+        # compile lock and keep the peers' loads waiting) and before it takes a seq.
+        self._kernels = kernels
 
     # -- state -----------------------------------------------------------------------
 
@@ -113,7 +120,23 @@ class Group(ReduceMixin, MovementMixin, P2PMixin):
         """Whether rank `peer`'s process (or thread) still runs."""
         return self._arena is None or self._arena.is_peer_alive(peer)
 
+    def wait_kernels(self, timeout_s=None):
+        """Wait until the kernels this group's calls use are loaded (every call does this
+        first; returns at once when they are): at most `timeout_s` (the group's timeout),
+        then CollectiveTimeoutError. The group stays usable either way: no seq was taken."""
+        ensure = self._kernels
+        if ensure is None:
+            return
+        t = self.timeout_s if timeout_s is None else float(timeout_s)
+        if not ensure(t):
+            raise CollectiveTimeoutError(
+                f"[Rank {self.rank}] group {self.name!r}: Timed out waiting {int(t * 1000)}ms "
+                f"for shmcoll's kernels to load (numba's cache: docs/COLD_START.md)")
+        self._kernels = None
+
     def _usable(self, name):
+        """Raise if the group cannot run `name` (closed, poisoned); wait for its kernels
+        (the gate). The latency paths call it only when one of the three is pending."""
         if self._closed:
             raise ShmcollError(f"{name}: the group was closed")
         if self._poison is not None:
@@ -124,6 +147,8 @@ class Group(ReduceMixin, MovementMixin, P2PMixin):
             except Exception:  # an exception type that cannot be rebuilt from its args
                 again = self._poison
             raise again
+        if self._kernels is not None:
+            self.wait_kernels()
 
     def _run(self, name, fp, algo, *args, timeout_s=None, nbytes=0):
         """Sequence, frame and run one collective; poison the group on fatal errors."""
@@ -157,7 +182,7 @@ class Group(ReduceMixin, MovementMixin, P2PMixin):
         numbered, fingerprinted ((code of `name`,) + fp), flight-recorded and poisoning like
         every other; `algo(arena, *args)` (arena None at world size 1) starts with a post
         and a wait. Returns algo's result."""
-        if self._poison is not None or self._closed:
+        if self._poison is not None or self._closed or self._kernels is not None:
             self._usable(name)
         return self._run(name, fp, algo, *args, timeout_s=timeout_s, nbytes=nbytes)
 
@@ -285,6 +310,13 @@ class Group(ReduceMixin, MovementMixin, P2PMixin):
             return
         self._closed = True
         first = None
+        if self._kernels is not None and self._arena is not None:
+            # closed before its first call: let the warm-up finish first (set_state loads
+            # the atomics, and would hold the job's compile lock while numba readies itself)
+            try:
+                self.wait_kernels()
+            except Exception as e:
+                first = e
         # NOTE: order matters: the device arena drains and closes while this rank still
         # counts as live for its peers (a CLOSED state would fail their streams' waits).
         for closer in self._device_closers:

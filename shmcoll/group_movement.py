@@ -17,7 +17,7 @@ class MovementMixin:
 
     def broadcast(self, array, root=0, timeout_s=None):
         """Copy `array` from `root` to every rank, in place."""
-        if self._poison is not None or self._closed:
+        if self._poison is not None or self._closed or self._kernels is not None:
             self._usable("broadcast")
         if type(array) is np.ndarray and self._arena is not None and \
                 array.flags.c_contiguous and array.flags.writeable:
@@ -47,7 +47,7 @@ class MovementMixin:
     def all_gather(self, outs, array, timeout_s=None):
         """outs[j] (list of world_size arrays, or one array of world_size * array.size
         elements) receives rank j's `array`."""
-        if self._poison is not None or self._closed:
+        if self._poison is not None or self._closed or self._kernels is not None:
             self._usable("all_gather")
         _check_arrays("all_gather", [array])
         if type(outs) is np.ndarray and outs.flags.c_contiguous and outs.flags.writeable \

@@ -17,7 +17,7 @@ class ReduceMixin:
 
     def all_reduce(self, array, op=ReduceOp.SUM, dtype=None, timeout_s=None, premul=1.0):
         """Reduce `array` over all ranks, in place."""
-        if self._poison is not None or self._closed:
+        if self._poison is not None or self._closed or self._kernels is not None:
             self._usable("all_reduce")
         if type(array) is not np.ndarray:
             _check_arrays("all_reduce", [array])
@@ -90,7 +90,7 @@ class ReduceMixin:
     def reduce_scatter(self, out, ins, op=ReduceOp.SUM, dtype=None, timeout_s=None, premul=1.0):
         """out = reduction over ranks of their ins[rank]; `ins` is a list of world_size
         arrays (sizes may differ per destination) or one array of world_size * out.size."""
-        if self._poison is not None or self._closed:
+        if self._poison is not None or self._closed or self._kernels is not None:
             self._usable("reduce_scatter")
         if type(ins) is np.ndarray and type(out) is np.ndarray and self._arena is not None \
                 and ins.dtype == out.dtype and ins.size == self.world_size * out.size \

@@ -60,10 +60,9 @@ import numpy as np
 
 from . import jit
 from .atomics import read_acquire
-from .atomics import warm_up as atomics_warm_up
 from .errors import CollectiveMismatchError, CollectiveTimeoutError, GroupAbortedError, \
     ShmcollError
-from .p2p_cells import (  # noqa: F401  (ensure_kernels: re-exported for warmup.py)
+from .p2p_cells import (  # noqa: F401  (ensure_*: re-exported for warmup.py)
     _CELL_KERNELS,
     _NEVER,
     ANY_SOURCE,
@@ -72,11 +71,12 @@ from .p2p_cells import (  # noqa: F401  (ensure_kernels: re-exported for warmup.
     _push_cells,
     _take_cells,
     ensure_kernels,
+    ensure_progress_wait,
 )
 from .p2p_progress import ProgressMixin, _copy_error
 from .protocol import LINE_NBYTES, SPINS, STATE_LIVE, W_STATE
 
-__all__ = ["P2PEngine", "Request", "ANY_SOURCE", "ensure_kernels"]
+__all__ = ["P2PEngine", "Request", "ANY_SOURCE", "ensure_kernels", "ensure_progress_wait"]
 
 log = logging.getLogger("shmcoll")
 _DISCARD = np.zeros(1, np.uint8)  # buf argument when a dropped message is drained
@@ -170,8 +170,14 @@ class _Unexpected:
 class P2PEngine(ProgressMixin):
     """Mailboxes, matching and the progress thread of one rank of one group."""
 
-    def __init__(self, regions, rank, layout, is_alive, oversubscribed=False, name=""):
-        atomics_warm_up()
+    def __init__(self, regions, rank, layout, is_alive, oversubscribed=False, name="",
+                 ready=None):
+        # Nothing compiled is called here: a group is created before its kernels are loaded
+        # (warmup.py); the progress thread and the first post load what they use. `ready`
+        # (new_shm_group: warmup.wait_ready, its warm-up done): ready(timeout_s) -> bool,
+        # what the thread waits for before it loads anything. Else it would take the job's
+        # compile lock and hold it while numba readies itself, and the peers' loads wait.
+        self._ready = ready
         self.rank, self.world_size = rank, len(regions)
         self._regions, self._is_alive = regions, is_alive
         self._K, self._C = layout.p2p_cells, layout.p2p_cell_nbytes
@@ -190,7 +196,9 @@ class P2PEngine(ProgressMixin):
         self._sent = [0] * ws  # cells written per destination
         self._room = [0] * ws  # last CONSUMED[me] read from each destination
         self._msg_out = [0] * ws
-        self._taken = [int(read_acquire(a)) for a in self._my_consumed]
+        # my CONSUMED words: only this rank writes them, so a plain read is exact
+        self._taken = [int(mine[layout.consumed_offset(s):][:8].view(np.int64)[0])
+                       for s in range(ws)]
         self._msg_in = [0] * ws
         self._sendq = [collections.deque() for _ in range(ws)]
         self._incoming = [None] * ws

@@ -9,7 +9,7 @@ ANY_SOURCE and ensure_kernels.
 
 import numpy as np
 
-from . import jit
+from . import atomics, jit
 from .atomics import copy_bytes, load_acquire, store_release, wait_any_ge
 from .protocol import LINE_NBYTES
 
@@ -34,12 +34,20 @@ def _warm_progress_wait():
     wait_any_ge(addrs, np.zeros(1, np.int64), 0, 0, word.ctypes.data)
 
 
+def ensure_progress_wait():
+    """Compile (or load) what the progress thread needs from its start: the atomics and its
+    idle wait, once per process, under the job's compile lock (jit.py). A group's warm-up
+    (warmup.py) loads them too, so that the thread never loads beside a collective."""
+    atomics.warm_up()
+    jit.once(_PROGRESS_WAIT, _warm_progress_wait)
+
+
 def ensure_kernels():
     """Compile (or load from numba's cache) the cell kernels below, once per process, under
     the job's compile lock (jit.py). A group's progress thread runs from its creation, but
     these wait for the first message this process posts or receives: most jobs send none,
     and compiling them (~0.7 s cold) would delay the first collectives."""
-    jit.once(_PROGRESS_WAIT, _warm_progress_wait)
+    ensure_progress_wait()
     jit.once(_CELL_KERNELS, _warm_kernels)
 
 

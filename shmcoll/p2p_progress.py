@@ -11,10 +11,10 @@ import copy
 import threading
 import time
 
-from . import jit
 from .atomics import read_acquire, wait_any_ge, write_release
+from .atomics import warm_up as atomics_warm_up
 from .errors import CollectiveTimeoutError, GroupAbortedError, PeerLostError, ShmcollError
-from .p2p_cells import _NEVER, _PROGRESS_WAIT, ANY_SOURCE, _warm_progress_wait
+from .p2p_cells import _NEVER, ANY_SOURCE, ensure_progress_wait
 from .protocol import SLEEP_MAX_S, SLEEP_MIN_S, STATE_ABORTED, STATE_CLOSED, STATE_LIVE, \
     YIELD_NS
 
@@ -58,7 +58,10 @@ class ProgressMixin:
         suspect = None  # a lost peer seen after an idle pass; fatal if the next pass is idle too
         my_state = self._state[self.rank]
         try:
-            jit.once(_PROGRESS_WAIT, _warm_progress_wait)
+            while self._ready is not None and not self._ready(0.05):
+                if self._stopping:
+                    return
+            ensure_progress_wait()  # loaded by the group's warm-up by now (warmup.py)
             while not self._stopping:
                 with self._lock:
                     did, pending = self._progress()
@@ -200,6 +203,7 @@ class ProgressMixin:
 
     def abort(self):
         """Fail pending ops soon (the thread sees the abort word); callable from any thread."""
+        atomics_warm_up()  # an abort may come before the group's first call loaded them
         with self._lock:
             if self._stopping:  # closed: the regions may be unmapped already
                 return

@@ -107,7 +107,7 @@ import time
 import numpy as np
 
 from . import jit
-from .atomics import read_acquire, wake_sleepers, write_release
+from .atomics import wake_sleepers, write_release
 from .atomics import warm_up as atomics_warm_up
 from .protocol_drivers import DriverMixin
 from .protocol_kernels import (  # noqa: F401  (re-exported: tests, warmup.py, algorithms)
@@ -197,15 +197,18 @@ class Arena(DriverMixin, WaitMixin):
     process only) = (address of their shared "Python turn" word, this thread's non-zero id
     in it): see _gil_leave. `single_copy` (single_copy.NONE / IN_PROCESS / CMA): how a
     peer's user buffer can be read where it lies (exchange_buffer, reduce_peers,
-    gather_peers); NONE: only through the slots. Not thread-safe: the owning group runs one
-    collective at a time.
+    gather_peers); NONE: only through the slots. `load_kernels`: load (or compile) the
+    atomics and the one-step kernel now; False: the owner does it before the first
+    collective (new_shm_group: Group's kernel gate, warmup.ensure). Not thread-safe: the
+    owning group runs one collective at a time.
     """
 
     def __init__(self, regions, rank, layout, is_alive, describe=None, oversubscribed=False,
-                 pids=None, gil_turn=None, single_copy=NONE, yield_ns=YIELD_NS):
-        # Compiled or loaded under the compile lock before any first use (cheap when done).
-        atomics_warm_up()
-        warm_up_one_step()
+                 pids=None, gil_turn=None, single_copy=NONE, yield_ns=YIELD_NS,
+                 load_kernels=True):
+        if load_kernels:  # under the compile lock before any first use (cheap when done)
+            atomics_warm_up()
+            warm_up_one_step()
         self.rank = rank
         self.world_size = len(regions)
         self.layout = layout
@@ -245,7 +248,7 @@ class Arena(DriverMixin, WaitMixin):
             for i in range(layout.nslots)]
         self._slot_addrs = [np.array([s.ctypes.data for s in row], np.int64) for row in self._slots]
         self._slot_addr_mine = [int(a[rank]) for a in self._slot_addrs]
-        self._step = int(read_acquire(self._posted_addr))
+        self._step = int(self._mine[W_POSTED * LINE_WORDS])  # mine: only I write it
         self._known_min = self._step  # every peer has posted at least this much
         self._free_at = [0] * layout.nslots
         self._next_slot = 0
@@ -430,6 +433,7 @@ class Arena(DriverMixin, WaitMixin):
 
     def set_state(self, state):
         """Announce abort/close to peers (and wake my own waiter on abort)."""
+        atomics_warm_up()  # a group may close (or abort) before its first call loaded them
         write_release(self._state_addr, state)
         self._wake_sleepers()
 
@@ -437,6 +441,7 @@ class Arena(DriverMixin, WaitMixin):
         """Announce that I failed collective `seq`: SEQ first, then STATE = ABORTED, so a
         peer that reads ABORTED also sees which collective failed (rule 4). A failure before
         the collective's first post would otherwise leave SEQ at the previous one."""
+        atomics_warm_up()
         write_release(self._seq_addr, seq)
         write_release(self._state_addr, STATE_ABORTED)
         self._wake_sleepers()

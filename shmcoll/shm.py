@@ -32,6 +32,7 @@ import posix_ipc
 from . import protocol
 from . import single_copy as single_copy_mod
 from .errors import SegmentError
+from .init_phases import phase
 
 __all__ = ["ShmRegions", "segment_prefix", "gc_stale", "PidLiveness"]
 
@@ -180,41 +181,49 @@ class ShmRegions:
 
     def _rendezvous(self, store, timeout_s, shm_dir):
         deadline = time.monotonic() + timeout_s
-        gen = store.add(f"shmcoll/gen/{self.rank}", 1)
-        base = f"shmcoll/{gen}"
-        if self.rank == 0:
-            store.set(f"{base}/token", secrets.token_hex(16))
-        token_hex = _wait_key(store, f"{base}/token", deadline, timeout_s, "rank 0's group token")
+        with phase("segments: token"):
+            gen = store.add(f"shmcoll/gen/{self.rank}", 1)
+            base = f"shmcoll/{gen}"
+            if self.rank == 0:
+                store.set(f"{base}/token", secrets.token_hex(16))
+            token_hex = _wait_key(store, f"{base}/token", deadline, timeout_s,
+                                  "rank 0's group token")
         if len(token_hex) != 32:
             raise SegmentError(f"rendezvous: malformed group token {token_hex!r} in the store")
-        gc_stale(shm_dir)
+        with phase("segments: gc_stale"):
+            gc_stale(shm_dir)
         token = bytes.fromhex(token_hex)
         self._my_name = f"/{segment_prefix()}{token_hex}-{self.rank}-{os.getpid()}"
-        self.regions[self.rank] = self._create(self._my_name, token)
+        with phase("segments: create"):
+            self.regions[self.rank] = self._create(self._my_name, token)
         self.pids[self.rank] = os.getpid()
         store.set(f"{base}/seg/{self.rank}", self._my_name)
-        for peer in range(self.world_size):
-            if peer != self.rank:
-                name = _wait_key(store, f"{base}/seg/{peer}", deadline, timeout_s,
-                                 f"rank {peer}'s segment")
-                self.regions[peer], self.pids[peer] = self._attach(name, token, peer)
+        with phase("segments: attach peers"):
+            for peer in range(self.world_size):
+                if peer != self.rank:
+                    name = _wait_key(store, f"{base}/seg/{peer}", deadline, timeout_s,
+                                     f"rank {peer}'s segment")
+                    self.regions[peer], self.pids[peer] = self._attach(name, token, peer)
         # NOTE: order matters: unlink only after every peer has attached, or a slow peer
         # would find no segment; after this point nothing can leak.
         # The value says whether I can read every peer's memory ("2") or not ("1"): the
         # group goes single-copy only if every rank can (ptrace access is not symmetric);
         # an "s" after it: my buffers are likely on small pages.
-        can = self._want_single_copy and all(
-            self._probe(peer) for peer in range(self.world_size) if peer != self.rank)
+        with phase("segments: single-copy probe"):
+            can = self._want_single_copy and all(
+                self._probe(peer) for peer in range(self.world_size) if peer != self.rank)
         store.set(f"{base}/attached/{self.rank}",
                   ("2" if can else "1") + ("s" if self.small_pages else ""))
-        for peer in range(self.world_size):
-            if peer != self.rank:
-                # A rank killed during init must not leave its peers waiting for the store's
-                # timeout: the wait ends as soon as its pid exits.
-                value = _wait_key(store, f"{base}/attached/{peer}", deadline, timeout_s,
-                                  f"rank {peer} (pid {self.pids[peer]})", pid=self.pids[peer])
-                can = can and value.startswith("2")
-                self.small_pages = self.small_pages or value.endswith("s")
+        with phase("segments: wait attached"):
+            for peer in range(self.world_size):
+                if peer != self.rank:
+                    # A rank killed during init must not leave its peers waiting for the
+                    # store's timeout: the wait ends as soon as its pid exits.
+                    value = _wait_key(store, f"{base}/attached/{peer}", deadline, timeout_s,
+                                      f"rank {peer} (pid {self.pids[peer]})",
+                                      pid=self.pids[peer])
+                    can = can and value.startswith("2")
+                    self.small_pages = self.small_pages or value.endswith("s")
         self.single_copy = single_copy_mod.CMA if can else single_copy_mod.NONE
         self.unlink()
 

@@ -4,6 +4,7 @@ import numpy as np
 
 from . import config as _config
 from .group import Group, describe_fingerprint, is_oversubscribed
+from .init_phases import phase
 from .p2p import P2PEngine
 from .pages import numpy_buffers_small_pages
 from .protocol import YIELD_NS, Arena, RegionLayout
@@ -16,6 +17,8 @@ def new_shm_group(store, rank, world_size, timeout_s=1800.0, cfg=None, name="",
                   small_pages=None, ranks_here=None, yield_ns=None):
     """Rendezvous through `store` (set/get/add, e.g. a c10d Store or shmcoll.FileStore) and
     return a ready Group. Every rank of the group must call this with the same arguments.
+    The kernels load in a thread started here (warmup.py); the group is returned without
+    waiting for them, and its first call waits (Group.wait_kernels).
     `small_pages`: whether this rank's buffers are likely on 4 KiB pages (see pages.py;
     None: numpy's arrays); the group takes True if any rank says so. `ranks_here`: busy
     ranks on this machine when the group is one node of several sharing it (simulated
@@ -25,7 +28,7 @@ def new_shm_group(store, rank, world_size, timeout_s=1800.0, cfg=None, name="",
         raise ValueError(f"new_shm_group: rank {rank} is outside world size {world_size}")
     # Imported here, not at module level: `python -m shmcoll.warmup` imports the package
     # first, and a module already imported by it would run twice (runpy warns).
-    from .warmup import wait_ready, warm_up_async
+    from .warmup import ensure, wait_ready, warm_up_async
     cfg = cfg or _config.from_env()
     warm_up_async()  # load kernels from numba's cache while the rendezvous waits on peers
     if world_size == 1:  # no shared memory; a private region carries self-sends
@@ -40,16 +43,20 @@ def new_shm_group(store, rank, world_size, timeout_s=1800.0, cfg=None, name="",
                           _config.p2p_cells(cfg, world_size), cfg.p2p_cell_nbytes)
     if small_pages is None:
         small_pages = numpy_buffers_small_pages()
-    regions = ShmRegions(store, rank, world_size, layout, timeout_s, cfg.shm_dir,
-                         cfg.single_copy, small_pages)
+    with phase("segments"):
+        regions = ShmRegions(store, rank, world_size, layout, timeout_s, cfg.shm_dir,
+                             cfg.single_copy, small_pages)
     liveness = PidLiveness(regions.pids)
     spin = {"spin": False, "yield": True}.get(cfg.spin,
                                               is_oversubscribed(ranks_here or world_size))
-    arena = Arena(regions.regions, rank, layout, liveness, describe_fingerprint, oversubscribed=spin,
-                  pids=regions.pids, single_copy=regions.single_copy,
-                  yield_ns=YIELD_NS if yield_ns is None else yield_ns)
+    with phase("arena"):
+        arena = Arena(regions.regions, rank, layout, liveness, describe_fingerprint,
+                      oversubscribed=spin, pids=regions.pids, single_copy=regions.single_copy,
+                      yield_ns=YIELD_NS if yield_ns is None else yield_ns, load_kernels=False)
     try:
-        p2p = P2PEngine(regions.regions, rank, layout, liveness, oversubscribed=spin, name=name)
+        with phase("p2p engine"):
+            p2p = P2PEngine(regions.regions, rank, layout, liveness, oversubscribed=spin,
+                            name=name, ready=wait_ready)
     except BaseException:
         liveness.close()
         regions.close()
@@ -58,7 +65,6 @@ def new_shm_group(store, rank, world_size, timeout_s=1800.0, cfg=None, name="",
     group = Group(arena, rank, world_size, timeout_s, cfg.direct_max_nbytes,
                   closers=[p2p.close, liveness.close, regions.close], name=name,
                   aborter=p2p.abort, single_copy_always=cfg.single_copy == "always",
-                  small_pages=regions.small_pages)
+                  small_pages=regions.small_pages, kernels=ensure)
     group.attach_p2p(p2p)
-    wait_ready(timeout_s)  # see warmup.py: a loader beside the first collectives slows them
     return group

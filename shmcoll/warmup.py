@@ -4,17 +4,24 @@
 on the 2-core VM, once per machine, Python and numba version); nothing needs it, but it
 takes the cold start (docs/COLD_START.md) out of a first job, e.g. in a container image.
 
-Every group starts `warm_up_async()` at creation, overlapping the store rendezvous, and
-waits for it (at most the group's timeout) before it returns: it loads the one-step kernel
-(small collectives; it moves bytes, the same for every dtype) and the float32 sum reducer,
-what nearly every first collective needs; cold, it compiles them (~1-1.5 s). The other
-kernels load (or compile, 0.1-0.5 s each) on their first use. Nothing keeps loading in the background after the group is ready: loading holds the
-GIL and a core, and a loader running beside the first collectives made them 3-30x slower
-for the first half second (a benchmark's small sizes, a training loop's first steps; worst
-with more ranks than cores).
+Every group starts `warm_up_async()` at creation, before its store rendezvous: a thread
+that readies numba itself, then loads what nearly every first call needs: the atomics,
+the one-step kernel (small collectives; it moves bytes, the same for every dtype), the
+float32 sum reducer and the point-to-point progress thread's wait. Warm, loading them takes
+~0.05 s; readying numba (its CPU target: numba imports its implementations, scipy's BLAS
+among them) takes 0.3-1.5 s and is most of a warm init. The group does not wait for it:
+its first call does (`ensure`, through Group's kernel gate), so init_process_group
+returns after the rendezvous and the loading overlaps whatever the program does before
+its first collective. Nothing loads beside a collective: loading holds the GIL and a core,
+and a loader running beside the first collectives made them 3-30x slower for the first
+half second (a benchmark's small sizes, a training loop's first steps; worst with more
+ranks than cores). Cold, the same kernels compile (~1-1.5 s); the others load (or compile,
+0.1-0.5 s each) on their first use.
 
 All compilation runs under jit.compiling: the ranks of a job never compile the same kernel
-at the same time.
+at the same time. Readying numba compiles nothing, so it runs outside that lock (under
+numba's own): inside it, the ranks of a job took turns at it, 2 ranks 2x its time, 4 ranks
+4x (docs/notes/2026-11-28-warm-init.md).
 """
 
 import threading
@@ -23,11 +30,13 @@ import time
 import numpy as np
 
 from . import atomics, kernels, p2p, protocol
+from .init_phases import phase
 
-__all__ = ["warm_up", "warm_up_async", "wait_ready", "FIRST_REDUCERS"]
+__all__ = ["warm_up", "warm_up_async", "wait_ready", "ensure", "FIRST_REDUCERS"]
 
-# (kind, storage, kernel op): what a first collective nearly always reduces
-FIRST_REDUCERS = (("float", np.float32, kernels.OP_SUM),)
+# (kind, storage, kernel op): what a first collective nearly always reduces (a dtype, as
+# ops.reduce_spec asks for it: kernels.reducer caches by the value it is given)
+FIRST_REDUCERS = (("float", np.dtype(np.float32), kernels.OP_SUM),)
 
 _lock = threading.Lock()
 _ready = threading.Event()
@@ -40,18 +49,40 @@ def warm_up(reducers=None):
     t0 = time.perf_counter()
     with _lock:
         try:
-            atomics.warm_up()
-            protocol.warm_up_one_step()
+            with phase("numba's CPU target"):
+                _ready_numba()
+            with phase("kernels: atomics"):
+                atomics.warm_up()
+            with phase("kernels: one-step"):
+                protocol.warm_up_one_step()
             if reducers is None:
                 protocol.warm_up()
                 kernels.warm_up()
                 p2p.ensure_kernels()
             else:
                 for kind, storage, op in reducers:
-                    kernels.reducer(storage, kind, op)
+                    with phase(f"kernels: {np.dtype(storage)} {kind} reducer"):
+                        kernels.reducer(storage, kind, op)
+                with phase("kernels: p2p progress wait"):
+                    p2p.ensure_progress_wait()
         finally:
-            _ready.set()  # a failed warm-up must not block group creation
+            _ready.set()  # a failed warm-up must not block the first call (ensure raises)
     return time.perf_counter() - t0
+
+
+def _ready_numba():
+    """Initialize numba's CPU target (its typing and lowering registries), what numba does
+    before it loads or compiles its first function in a process (0.3-1.5 s on the 2-core
+    VM, most of it imports), here, outside the job's compile lock, under numba's own lock
+    (as numba does it): every rank of a job does it at once instead of in turn. Nothing is
+    compiled. A numba whose internals moved: nothing (its first load does it)."""
+    try:
+        from numba.core.compiler_lock import global_compiler_lock
+        from numba.core.registry import cpu_target
+    except ImportError:  # pragma: no cover -- read from numba 0.68
+        return
+    with global_compiler_lock:
+        cpu_target.target_context.refresh()
 
 
 def wait_ready(timeout_s=None):
@@ -59,8 +90,24 @@ def wait_ready(timeout_s=None):
     return _ready.wait(timeout_s)
 
 
+def ensure(timeout_s=None):
+    """What a group's first call does before anything else (Group's kernel gate): wait for
+    the warm-up of the group's creation (at most `timeout_s`; False if it still runs then),
+    then load in this thread what it left undone (nothing, unless it failed: its error is
+    raised here, in the caller). True when the kernels are loaded."""
+    if not _ready.wait(timeout_s):
+        return False
+    atomics.warm_up()
+    protocol.warm_up_one_step()
+    p2p.ensure_progress_wait()
+    return True
+
+
 def warm_up_async():
-    """Start warm_up(FIRST_REDUCERS) in a daemon thread; returns the thread."""
+    """Start warm_up(FIRST_REDUCERS) in a daemon thread and return it; None when a warm-up
+    of this process has already finished (every later group finds its kernels loaded)."""
+    if _ready.is_set():
+        return None
     thread = threading.Thread(target=warm_up, args=(FIRST_REDUCERS,), name="shmcoll-warmup",
                               daemon=True)
     thread.start()

@@ -295,6 +295,17 @@ class Child:
                                                timeout_s=t)
         return self.group
 
+    def wait_kernels(self):
+        """Wait until the group's kernels are loaded: its first call does (Group's kernel
+        gate, warmup.py), so a scenario that times its calls waits here first."""
+        if self.torch:
+            import torch
+            import torch.distributed as dist
+            pg = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+            pg.group.wait_kernels()
+        else:
+            self.group.wait_kernels()
+
     def close(self):
         if self.torch:
             import torch.distributed as dist
@@ -667,6 +678,140 @@ def scenario_init_only(c):
         c.emit("init", ok=False, elapsed=time.monotonic() - t0, **c.err(e))
 
 
+# -- warm init: the group is returned before its kernels are loaded ------------------------------
+
+def _hold_warm_up(c):
+    """Hold this rank's warm-up (warmup.py) where it readies numba, holding numba's lock as
+    that does, until release(c, rank) (or 60 s): the group's kernels load after that, and a
+    thread of this rank that loads a kernel before waits on numba's lock (holding the job's
+    compile lock, if it took it)."""
+    from numba.core.compiler_lock import global_compiler_lock
+
+    from shmcoll import warmup
+    ready_numba = warmup._ready_numba
+
+    def held():
+        with global_compiler_lock:
+            _wait_file(_release_path(c, c.rank), 60)
+            ready_numba()
+
+    warmup._ready_numba = held
+
+
+def _release_path(c, rank):
+    return os.path.join(c.spec["store"], f"release-{rank}")
+
+
+def _release(c, rank):
+    open(_release_path(c, rank), "w").close()
+
+
+def _compile_lock_free():
+    """Whether the job's compile lock (jit.py) is free: the flock on its file (a second open
+    file description conflicts with every other, in this process too) and the lock of this
+    process's threads."""
+    import fcntl
+
+    from shmcoll import jit
+    if not jit._tlock.acquire(blocking=False):
+        return False
+    jit._tlock.release()
+    fd = os.open(os.path.join(jit.cache_dir(), jit.LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+    return True
+
+
+def _wait_file(path, timeout_s=60):
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return os.path.exists(path)
+
+
+def scenario_kernels_deferred(c):
+    """Rank 0's warm-up is held (_hold_warm_up). args mode:
+    "first": rank 1's warm-up is held too. Rank 0 reports whether its group came back
+        before its warm-up finished, starts its first call (an all_reduce) in a thread,
+        and reports whether the job's compile lock is free while both warm-ups are held
+        (no first call, no p2p thread of either rank may have taken it); then it lets rank
+        1's warm-up go, and rank 1 loads all its kernels and says so (a file); rank 0 gives
+        its all_reduce time to finish wrongly, says whether it did, releases its warm-up
+        and reports the all_reduce (and whether its kernels were loaded when it returned).
+    "lost": rank 1 exits right after init without closing; rank 0 waits for its death,
+        releases its warm-up and reports its first all_reduce's error.
+    "close": both ranks close the group before any call; rank 0 releases its warm-up from
+        a thread after 0.3 s, and each reports that close returned without error, after
+        its warm-up."""
+    import numpy as np
+    from shmcoll import warmup
+    mode = c.args["mode"]
+    peer_warm = os.path.join(c.spec["store"], "peer-warm")
+    if c.rank == 0 or mode == "first":
+        _hold_warm_up(c)
+    c.new_group()
+    a = np.full(4, c.rank + 1.0, np.float32)
+    if mode == "close":
+        if c.rank == 0:
+            threading.Timer(0.3, _release, (c, 0)).start()
+        try:
+            c.group.close()
+            c.emit("closed", ok=True, ready=warmup.wait_ready(0))
+        except Exception as e:
+            c.emit("closed", ok=False, **c.err(e))
+        return
+    if c.rank == 1:
+        if mode == "lost":
+            c.emit("exiting", pid=os.getpid())
+            os._exit(0)
+        c.emit("warm", ok=warmup.wait_ready(60) and warmup.ensure(60))
+        open(peer_warm, "w").close()
+        c.group.all_reduce(a)
+        c.emit("first", value=float(a[0]))
+        c.close()
+        return
+    c.emit("init", ready=warmup.wait_ready(0))
+    if mode == "lost":
+        peer = c.group._arena._pids[1]
+        deadline = time.monotonic() + 60
+        while c.group.is_peer_alive(1) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        c.emit("peer_gone", pid=peer, gone=not c.group.is_peer_alive(1))
+        _release(c, 0)
+        try:
+            c.group.all_reduce(a)
+            c.emit("first", ok=True)
+        except Exception as e:
+            c.emit("first", ok=False, **c.err(e))
+        c.close()
+        return
+    result = {}
+
+    def first():
+        try:
+            c.group.all_reduce(a)
+            result.update(ok=True, ready=warmup.wait_ready(0), value=float(a[0]))
+        except Exception as e:
+            result.update(ok=False, **c.err(e))
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    time.sleep(0.3)  # the first call and the p2p threads get going
+    c.emit("locks", free=_compile_lock_free())
+    _release(c, 1)
+    c.emit("peer_warm", ok=_wait_file(peer_warm, 30))
+    time.sleep(0.5)  # a first call that did not wait for the kernels would be done by now
+    c.emit("held", first_done=not thread.is_alive())
+    _release(c, 0)
+    thread.join(60)
+    c.emit("first", **result)
+    c.close()
+
+
 # -- bullet 7: isolation ------------------------------------------------------------------------
 
 def scenario_isolated(c):
@@ -779,6 +924,7 @@ def scenario_bad_args(c):
     matched collective, which only works if no bad call consumed a seq or posted."""
     import numpy as np
     c.new_group()
+    c.wait_kernels()  # the first call's wait for them is not what dt times
     if c.rank == 0:
         calls = _torch_bad_calls(c) if c.torch else _engine_bad_calls(c)
         seq0 = None if c.torch else c.group.seq

@@ -73,5 +73,13 @@ def new_hier_group(store, rank, layout, make_transport, timeout_s=1800.0, cfg=No
     except BaseException:
         intra.close()
         raise
+    try:
+        # the intra group's kernels loaded while the transport connected: waited for here,
+        # so that no transport step of a first collective runs beside the loader
+        intra.wait_kernels()
+    except BaseException:
+        transport.close()
+        intra.close()
+        raise
     return HierGroup(layout, rank, intra, transport, Board(store, f"{base}/board", layout, rank),
                      timeout_s, name, cfg.hier_shard_min_nbytes)

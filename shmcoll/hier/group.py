@@ -132,6 +132,7 @@ class HierGroup(Collectives):
         self._closed = False
         self._aborted = False
         self._pending = None
+        self._kernels = None  # Group's kernel gate: new_hier_group waited for intra's
         self.flight_record = collections.deque(maxlen=FLIGHT_RECORD_LEN)
         self._scratch = {}
         Watchdog.register(self)
@@ -139,7 +140,9 @@ class HierGroup(Collectives):
     # -- state ---------------------------------------------------------------------------
 
     # the engine Group's: collectives issued; the poisoning error; closed / poisoned checks
+    # and the kernel gate (open: see _kernels)
     seq, poisoned, _usable = Group.seq, Group.poisoned, Group._usable
+    wait_kernels = Group.wait_kernels
 
     def scratch(self, slot, nbytes, dtype=np.uint8):
         """A buffer of `nbytes` for `slot` of the running collective (slots used together

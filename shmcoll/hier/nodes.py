@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import posix_ipc
 
 from ..errors import SegmentError
+from ..init_phases import phase
 from ..shm import _wait_key, segment_prefix
 
 __all__ = ["NodeLayout", "identity", "discover"]
@@ -147,21 +148,24 @@ def discover(store, rank, world_size, timeout_s, cfg):
     gen = store.add(_gen_key(rank), 1)
     base = f"shmcoll/nodes/{gen}"
     reused = functools.partial(_reused_store, store, rank, gen)
-    probe, token = _create_probe()  # read by the members if this rank leads its node
+    with phase("discovery: probe segment"):
+        probe, token = _create_probe()  # read by the members if this rank leads its node
     try:
-        store.set(f"{base}/id/{rank}", "\n".join(
-            (socket.gethostname(), boot_id(), identity(cfg), probe, token.hex())))
-        values = _get_all(store, [f"{base}/id/{r}" for r in range(world_size)], deadline,
-                          timeout_s, reused)
+        with phase("discovery: ids"):
+            store.set(f"{base}/id/{rank}", "\n".join(
+                (socket.gethostname(), boot_id(), identity(cfg), probe, token.hex())))
+            values = _get_all(store, [f"{base}/id/{r}" for r in range(world_size)], deadline,
+                              timeout_s, reused)
         hosts, machines, keys, probes, tokens = zip(*(v.split("\n") for v in values))
         layout = NodeLayout.from_keys(keys, hosts, machines)
         leader = layout.nodes[layout.node_of[rank]][0]
         if leader != rank:
             _unlink(probe)  # only leaders' probes are read
         ok = leader == rank or _read_probe(probes[leader]) == bytes.fromhex(tokens[leader])
-        store.set(f"{base}/ok/{rank}", "1" if ok else "0")
-        oks = _get_all(store, [f"{base}/ok/{r}" for r in range(world_size)], deadline,
-                       timeout_s, reused)
+        with phase("discovery: oks"):
+            store.set(f"{base}/ok/{rank}", "1" if ok else "0")
+            oks = _get_all(store, [f"{base}/ok/{r}" for r in range(world_size)], deadline,
+                           timeout_s, reused)
     finally:
         _unlink(probe)  # every member has answered (or this rank gives up)
     if all(v == "1" for v in oks):

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from .. import config as _config
 from ..errors import GroupAbortedError
 from ..hier import discover, new_hier_group
+from ..init_phases import phase
 from . import checks
 from .inter_node import make_transport
 from .process_group import EngineProcessGroup, ProcessGroupShm, ShmOptions
@@ -39,9 +40,11 @@ def new_process_group(store, rank, size, options=None, timeout=None, group_name=
     if group_name:
         options.group_name = str(group_name)
     timeout_s = options._timeout.total_seconds()
-    layout = discover(store, rank, size, timeout_s, _config.from_env())
+    with phase("node discovery"):
+        layout = discover(store, rank, size, timeout_s, _config.from_env())
     if layout.single_node:
-        return ProcessGroupShm(store, rank, size, options)
+        with phase("ProcessGroupShm"):
+            return ProcessGroupShm(store, rank, size, options)
     return HierProcessGroup(store, rank, size, layout, options)
 
 

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from .. import config as _config
 from ..errors import GroupAbortedError
+from ..init_phases import phase
 from . import checks
 from .barriers import BarrierMixin
 from .convert import timeout_s, to_seconds
@@ -219,6 +220,7 @@ class EngineProcessGroup(ReduceMixin, MovementMixin, GatherScatterMixin, P2PMixi
 
     def _device_path(self, tensors):
         if self._device is None:
+            self.group.wait_kernels()  # cuda_ipc may load kernels (see Group's kernel gate)
             import cuda_ipc
             self._device = cuda_ipc.device_path(self, tensors[0].device, self._cfg)
         return self._device
@@ -357,4 +359,5 @@ class ProcessGroupShm(EngineProcessGroup):
         # told otherwise (pages.py): that bounds where reading peers' buffers pays
         group = new_shm_group(store, rank, size, timeout_s=options._timeout.total_seconds(),
                               name=options.group_name, small_pages=torch_buffers_small_pages())
-        super().__init__(group, "shm", store=store, options=options)
+        with phase("adapter"):
+            super().__init__(group, "shm", store=store, options=options)

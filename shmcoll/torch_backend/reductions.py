@@ -24,6 +24,9 @@ class ReduceMixin:
     # -- reductions ----------------------------------------------------------------------
 
     def _prepare_reduce(self, name, tensors, op):
+        # reduce_spec below may load a reducer: not while the group's warm-up runs (Group's
+        # kernel gate says why)
+        self.group.wait_kernels()
         arrays = [as_array(t) if t.dtype in REDUCIBLE else None for t in tensors]
         if arrays[0] is None:
             checks.fail(name, f"unsupported dtype {tensors[0].dtype} for reductions")
