@@ -44,9 +44,11 @@ Tiers (tiers.py chooses, every rank agrees): same_gpu and p2p read peers' device
 through CUDA IPC mappings; host keeps the slots in the host regions, registered with the
 device, and the kernels read peers' slots across PCIe.
 
-What the host reads of the words (progress, the peers that hold the stream, the error for a
-lost peer) and the release values stored after a failure are in arena_progress.py
-(ProgressMixin).
+The class's sections: setup; the chunk protocol (rules 1-4); progress and failure (what
+the host reads of the words: done, is_done; which peers' words hold the stream at a chunk;
+the error for a peer that can never release it; the guard inline (simulated) streams wait
+with; the release values stored after a failure; read by the watchdog and DeviceWork);
+lifecycle.
 """
 
 import logging
@@ -56,11 +58,10 @@ import time
 import numpy as np
 
 from shmcoll.errors import CollectiveTimeoutError, GroupAbortedError, PeerLostError
-from shmcoll.protocol import CTRL_LINES, LINE_NBYTES, RegionLayout
+from shmcoll.protocol import CTRL_LINES, LINE_NBYTES, STATE_ABORTED, STATE_CLOSED, RegionLayout
 
 from . import tiers
-from .arena_progress import ProgressMixin
-from .device import DeviceError, Mapping, read_word, word_add, write_word
+from .device import DeviceError, Mapping, at_or_past, read_word, word_add, write_word
 from .watchdog import Watchdog
 
 __all__ = ["DeviceArena", "MAX_WORLD_SIZE"]
@@ -75,7 +76,7 @@ _SHARED = "shared"  # Mapping.owner of a peer thread's allocation (nothing to cl
 _kept = []  # host regions a busy stream may still read (never unmapped)
 
 
-class DeviceArena(ProgressMixin):
+class DeviceArena:
     """The device half of one group: slots, flags, tier, watchdog (see module docstring).
 
     `host`: the group's shmcoll protocol.Arena (liveness, peer STATE, abort). `group`: its
@@ -109,7 +110,7 @@ class DeviceArena(ProgressMixin):
             self.close()
             raise
 
-    # -- setup ----------------------------------------------------------------------------
+    # -- setup -----------------------------------------------------------------------------
 
     def _setup(self, slot_nbytes, host_slot_nbytes, forced):
         rv, dev = self._rv, self.dev
@@ -223,7 +224,7 @@ class DeviceArena(ProgressMixin):
             self._slot_bufs = [self._alloc.tensor if p == self.rank else self._mappings[p].tensor
                                for p in range(self.world_size)]
 
-    # -- chunk protocol ------------------------------------------------------------------
+    # -- chunk protocol --------------------------------------------------------------------
 
     def next_chunk(self):
         """Issue the next chunk id (the same sequence on every rank)."""
@@ -277,6 +278,68 @@ class DeviceArena(ProgressMixin):
 
     def _peers(self):
         return (p for p in range(self.world_size) if p != self.rank)
+
+    # -- progress and failure (read by the watchdog and DeviceWork) ------------------------
+
+    def done(self):
+        """The last chunk my stream finished (host read of my MINE word)."""
+        return read_word(self._mine)
+
+    def is_done(self, g):
+        """Whether my stream finished chunk g (True once the arena is closed: close drains
+        the stream or fails the group first)."""
+        return self._released or at_or_past(self.done(), g)
+
+    def short_peers(self, g):
+        """Peers whose words hold my stream at chunk g (READY < g, or DONE < g - nslots)."""
+        short = []
+        for p in self._peers():
+            if not at_or_past(read_word(self._ready[p]), g) or (
+                    self.issued > self.nslots and
+                    not at_or_past(read_word(self._done[p]), word_add(g, -self.nslots))):
+                short.append(p)
+        return short
+
+    def peer_failure(self, peers, name, seq):
+        """The error for a wait on `peers` that one of them can never satisfy, or None."""
+        for p in peers:
+            state = self._host.peer_states()[p][3]
+            if state == STATE_CLOSED or not self._host.is_peer_alive(p):
+                what = "closed the group" if state == STATE_CLOSED else "exited"
+                return PeerLostError(
+                    f"{name} (cuda): rank {p} {what} while rank {self.rank}'s stream waited "
+                    f"for it at seq {seq}; this group is unusable, create a new one", peer=p)
+        for p in peers:
+            if self._host.peer_states()[p][3] == STATE_ABORTED:
+                return GroupAbortedError(
+                    f"{name} (cuda): rank {p} aborted the group while rank {self.rank}'s "
+                    f"stream waited for it at seq {seq}; this group is unusable, create a new one")
+        return None
+
+    def _guard(self, peer, addr, target):
+        """For inline streams (sim): raise instead of spinning past the deadline or on a
+        lost peer; real streams are watched by the watchdog instead."""
+        host = self._host
+        name, seq = host._op_name, host._seq
+        deadline = time.monotonic() + host._timeout_s
+
+        def guard():
+            err = self.peer_failure([peer], name, seq)
+            if err is not None:
+                raise err
+            if time.monotonic() > deadline:
+                raise CollectiveTimeoutError(
+                    f"[Rank {self.rank}] {name} (cuda, seq {seq}): Timed out waiting "
+                    f"{int(round(host._timeout_s * 1000))}ms for rank {peer} (its flag is at "
+                    f"{read_word(addr)}, the stream needs {target})")
+        return guard
+
+    def release_all(self, ready_target, done_target):
+        """Store release values into my inbox words, which my stream may wait on (after a
+        failure): its waits pass, it drains, and the device stays usable."""
+        for p in self._peers():
+            write_word(self._ready[p], ready_target)
+            write_word(self._done[p], done_target)
 
     # -- lifecycle -------------------------------------------------------------------------
 

@@ -4,6 +4,16 @@ A Group runs one collective at a time, in call order; every rank must call the s
 collectives in the same order (a CollectiveMismatchError says when they do not). Timeouts,
 lost peers and aborts *poison* the group: every later call re-raises the first such error.
 Argument errors and mismatches leave it usable (no shared state changed).
+
+One class, one state (seq, poison, plans, flight record, the arena and closers), in
+sections: state; running a collective (the kernel gate, _run, _run_one_step, poisoning, the
+flight record, plans); the reductions (all_reduce, reduce, reduce_scatter); data movement
+(broadcast, all_gather, gather, scatter, all_to_all) and its list helpers; barrier;
+point-to-point (send / recv over the P2PEngine of p2p.py, which owns the mailboxes and the
+progress thread); lifecycle. Each collective validates its arguments, derives (or takes
+from the plan cache) its fingerprint, reduction and algorithm, and runs through _run or
+_run_one_step. group_args.py holds the argument helpers (flat views, checks, fingerprint
+words); the world_size == 1 forms are at the end of this module.
 """
 
 import collections
@@ -16,10 +26,8 @@ import numpy as np
 
 from . import algorithms
 from .errors import CollectiveMismatchError, CollectiveTimeoutError, ShmcollError
-from .group_movement import MovementMixin, _local_nothing
-from .group_p2p import P2PMixin
-from .group_reductions import ReduceMixin
-from .ops import DTYPE_BY_CODE, ReduceOp
+from .group_args import _all_to_all_args, _bytes, _check_arrays, _code_of, _Flat, _shape
+from .ops import DTYPE_BY_CODE, ReduceOp, dtype_of, reduce_spec
 
 __all__ = ["Group", "COLLECTIVES"]
 
@@ -66,15 +74,13 @@ def is_oversubscribed(ranks_here):
     return ranks_here > cores
 
 
-class Group(ReduceMixin, MovementMixin, P2PMixin):
+class Group:
     """Collectives among `world_size` ranks over an Arena (None when world_size == 1).
 
     Arrays are numpy arrays of any supported dtype; pass dtype="bfloat16" for bf16 data held
     as uint16. Results are written in place; strided arrays are supported (only the elements
-    of the view are written). Every method takes an optional `timeout_s`. This class holds
-    the plumbing (plans, _run, poisoning, flight record, lifecycle) and barrier; the other
-    collectives come from ReduceMixin (group_reductions.py), MovementMixin
-    (group_movement.py) and P2PMixin (group_p2p.py).
+    of the view are written). Every method takes an optional `timeout_s`. The sections are
+    listed in the module docstring.
     """
 
     def __init__(self, arena, rank, world_size, timeout_s=1800.0, direct_max_nbytes=-1,
@@ -104,8 +110,9 @@ class Group(ReduceMixin, MovementMixin, P2PMixin):
         # that did, while numba readies itself in the warm-up, would hold the job's
         # compile lock and keep the peers' loads waiting) and before it takes a seq.
         self._kernels = kernels
+        self._p2p = None  # the P2PEngine for send/recv (attach_p2p; new_shm_group wires it)
 
-    # -- state -----------------------------------------------------------------------
+    # -- state -----------------------------------------------------------------------------
 
     @property
     def seq(self):
@@ -133,6 +140,8 @@ class Group(ReduceMixin, MovementMixin, P2PMixin):
                 f"[Rank {self.rank}] group {self.name!r}: Timed out waiting {int(t * 1000)}ms "
                 f"for shmcoll's kernels to load (numba's cache: docs/COLD_START.md)")
         self._kernels = None
+
+    # -- running a collective: the gate, sequencing, poisoning, flight record, plans -------
 
     def _usable(self, name):
         """Raise if the group cannot run `name` (closed, poisoned); wait for its kernels
@@ -280,14 +289,342 @@ class Group(ReduceMixin, MovementMixin, P2PMixin):
         self._plans[key] = plan
         return plan
 
-    # -- barrier (the other collectives: group_reductions.py, group_movement.py, group_p2p.py)
+    # -- reductions: all_reduce, reduce, reduce_scatter ------------------------------------
+
+    def all_reduce(self, array, op=ReduceOp.SUM, dtype=None, timeout_s=None, premul=1.0):
+        """Reduce `array` over all ranks, in place."""
+        if self._poison is not None or self._closed or self._kernels is not None:
+            self._usable("all_reduce")
+        if type(array) is not np.ndarray:
+            _check_arrays("all_reduce", [array])
+        flags = array.flags
+        if flags.c_contiguous and flags.writeable:  # the common case: no _Flat, plan cached
+            key = ("all_reduce", array.dtype, array.shape, op, dtype, premul)
+            plan = self._plans.get(key)
+            if plan is None:
+                plan = self._plan_all_reduce(key, array)
+            flat = array if array.ndim == 1 else array.reshape(-1)
+            if plan.view is not None:
+                flat = flat.view(plan.view)
+            if plan.mode is not None:
+                self._run_one_step("all_reduce", plan, flat, None, -1, timeout_s)
+            else:
+                self._run("all_reduce", plan.fp, plan.algo, flat, plan.spec,
+                          timeout_s=timeout_s, nbytes=plan.nbytes)
+            return array
+        dt = dtype_of(array, dtype)
+        spec = reduce_spec(op, dt, self.world_size, "all_reduce", premul)
+        f = _Flat(array, dt.storage)
+        flat = f.flat
+        algo = _local_reduce if self._arena is None else \
+            self._select("all_reduce", flat.nbytes)
+        self._run("all_reduce", (dt.code, flat.size, 0, int(op), _shape(array)), algo,
+                  flat, spec, timeout_s=timeout_s, nbytes=flat.nbytes)
+        f.write_back()
+        return array
+
+    def _plan_all_reduce(self, key, array):
+        """What all_reduce of a contiguous array derives from its dtype, shape and op
+        (argument checks, fingerprint, reduction, algorithm), once per such key: the
+        latency path then does one dict lookup instead of ~2 us of Python per call."""
+        _, _, _, op, dtype, premul = key
+        dt = dtype_of(array, dtype)
+        spec = reduce_spec(op, dt, self.world_size, "all_reduce", premul)
+        algo = _local_reduce if self._arena is None else \
+            self._select("all_reduce", array.nbytes)
+        return self._plan(key, "all_reduce", (dt.code, array.size, 0, int(op), _shape(array)),
+                          algo, array.nbytes, dt.storage, spec,
+                          None if array.dtype == dt.storage else dt.storage)
+
+    def _plan_reduce_scatter(self, key, out, ins):
+        """_plan_all_reduce for reduce_scatter of one contiguous input of equal blocks."""
+        _, _, _, _, op, dtype, premul = key
+        dt = dtype_of(out, dtype)
+        spec = reduce_spec(op, dt, self.world_size, "reduce_scatter", premul)
+        sizes = (out.size,) * self.world_size
+        return self._plan(key, "reduce_scatter", (dt.code, sum(sizes), 0, int(op),
+                                                  _shape(None, sizes)),
+                          self._select("reduce_scatter", ins.nbytes), ins.nbytes, dt.storage,
+                          spec, None if ins.dtype == dt.storage else dt.storage)
+
+    def reduce(self, array, root=0, op=ReduceOp.SUM, dtype=None, timeout_s=None, premul=1.0):
+        """Reduce `array` over all ranks into `root`'s array (others keep theirs)."""
+        self._usable("reduce")
+        self._root("reduce", root)
+        _check_arrays("reduce", [array])
+        dt = dtype_of(array, dtype)
+        spec = reduce_spec(op, dt, self.world_size, "reduce", premul)
+        f = _Flat(array, dt.storage)
+        algo = _local_reduce_rooted if self._arena is None else \
+            self._select("reduce", f.flat.nbytes)
+        self._run("reduce", (dt.code, f.flat.size, root, int(op), _shape(array)), algo,
+                  f.flat, root, spec, timeout_s=timeout_s, nbytes=f.flat.nbytes)
+        if self.rank == root:
+            f.write_back()
+        return array
+
+    def reduce_scatter(self, out, ins, op=ReduceOp.SUM, dtype=None, timeout_s=None, premul=1.0):
+        """out = reduction over ranks of their ins[rank]; `ins` is a list of world_size
+        arrays (sizes may differ per destination) or one array of world_size * out.size."""
+        if self._poison is not None or self._closed or self._kernels is not None:
+            self._usable("reduce_scatter")
+        if type(ins) is np.ndarray and type(out) is np.ndarray and self._arena is not None \
+                and ins.dtype == out.dtype and ins.size == self.world_size * out.size \
+                and ins.flags.c_contiguous and out.flags.c_contiguous and out.flags.writeable:
+            key = ("reduce_scatter", ins.dtype, ins.shape, out.shape, op, dtype, premul)
+            plan = self._plans.get(key)
+            if plan is None:
+                plan = self._plan_reduce_scatter(key, out, ins)
+            if plan.mode is not None:
+                src = ins if ins.ndim == 1 else ins.reshape(-1)
+                if plan.view is not None:
+                    src = src.view(plan.view)
+                self._run_one_step("reduce_scatter", plan, src, _bytes(out), -1, timeout_s)
+                return out
+        _check_arrays("reduce_scatter", [out])
+        dt = dtype_of(out, dtype)
+        spec = reduce_spec(op, dt, self.world_size, "reduce_scatter", premul)
+        if type(ins) is np.ndarray and ins.flags.c_contiguous and ins.dtype == out.dtype \
+                and ins.size == self.world_size * out.size:
+            # One contiguous input of equal blocks (reduce_scatter_tensor): no split.
+            blocks = _bytes(ins).view(dt.storage)
+            sizes = (out.size,) * self.world_size
+            nbytes = blocks.nbytes
+            form = 0
+        else:
+            ins = self._split_in("reduce_scatter", ins, out)
+            blocks = [np.ascontiguousarray(a).reshape(-1).view(dt.storage) for a in ins]
+            sizes = tuple(b.size for b in blocks)
+            nbytes = sum(b.nbytes for b in blocks)
+            form = 1  # the root word: the list form takes other steps (see all_gather)
+        f = _Flat(out, dt.storage, copy_in=False)
+        algo = _local_reduce_scatter if self._arena is None else \
+            self._select("reduce_scatter", nbytes if form == 0 else 0)
+        self._run("reduce_scatter", (dt.code, sum(sizes), form, int(op), _shape(None, sizes)),
+                  algo, blocks, f.flat, spec, timeout_s=timeout_s, nbytes=nbytes)
+        f.write_back()
+        return out
+
+    # -- data movement: broadcast, all_gather, gather, scatter, all_to_all -----------------
+
+    def broadcast(self, array, root=0, timeout_s=None):
+        """Copy `array` from `root` to every rank, in place."""
+        if self._poison is not None or self._closed or self._kernels is not None:
+            self._usable("broadcast")
+        if type(array) is np.ndarray and self._arena is not None and \
+                array.flags.c_contiguous and array.flags.writeable:
+            key = ("broadcast", array.dtype, array.shape, root)
+            plan = self._plans.get(key)
+            if plan is None:
+                self._root("broadcast", root)
+                plan = self._plan(key, "broadcast", (_code_of(array), array.size, root, 0,
+                                                     _shape(array)),
+                                  self._select("broadcast", array.nbytes), array.nbytes,
+                                  np.dtype(np.uint8))
+            if plan.mode is not None:
+                self._run_one_step("broadcast", plan, _bytes(array), None, root,
+                                   timeout_s)
+                return array
+        self._root("broadcast", root)
+        _check_arrays("broadcast", [array])
+        f = _Flat(array, array.dtype, copy_in=(self.rank == root))
+        self._run("broadcast", (_code_of(array), f.flat.size, root, 0, _shape(array)),
+                  _local_nothing if self._arena is None else
+                  self._select("broadcast", f.flat.nbytes), _bytes(f.flat), root,
+                  timeout_s=timeout_s, nbytes=f.flat.nbytes)
+        if self.rank != root:
+            f.write_back()
+        return array
+
+    def all_gather(self, outs, array, timeout_s=None):
+        """outs[j] (list of world_size arrays, or one array of world_size * array.size
+        elements) receives rank j's `array`."""
+        if self._poison is not None or self._closed or self._kernels is not None:
+            self._usable("all_gather")
+        _check_arrays("all_gather", [array])
+        if type(outs) is np.ndarray and outs.flags.c_contiguous and outs.flags.writeable \
+                and outs.dtype == array.dtype and outs.size == self.world_size * array.size:
+            # One contiguous output (all_gather_into_tensor): gathered straight into it.
+            src = array if array.flags.c_contiguous else np.ascontiguousarray(array)
+            if self._arena is not None:
+                key = ("all_gather", array.dtype, array.shape)
+                plan = self._plans.get(key)
+                if plan is None:
+                    plan = self._plan(key, "all_gather", (_code_of(array), src.size, 0, 0,
+                                                          _shape(array)),
+                                      self._select("all_gather", src.nbytes), src.nbytes,
+                                      np.dtype(np.uint8))
+                if plan.mode is not None:
+                    self._run_one_step("all_gather", plan, _bytes(src), _bytes(outs), -1,
+                                       timeout_s)
+                    return outs
+            self._run("all_gather", (_code_of(array), src.size, 0, 0, _shape(array)),
+                      _local_all_gather if self._arena is None else
+                      self._select("all_gather", src.nbytes),
+                      _bytes(src), _bytes(outs), timeout_s=timeout_s, nbytes=src.nbytes)
+            return outs
+        outs, whole = self._split_out("all_gather", outs, array)
+        src = np.ascontiguousarray(array)
+        flats = [_Flat(o, o.dtype, copy_in=False) for o in outs]
+        # root word 1: the list form moves its bytes in other steps than the one-array
+        # form (and never single-copy), so a rank calling the other form must mismatch
+        self._run("all_gather", (_code_of(array), src.size, 1, 0, _shape(array)),
+                  _local_all_gather if self._arena is None else self._select("all_gather", 0),
+                  _bytes(src), [_bytes(f.flat) for f in flats], timeout_s=timeout_s,
+                  nbytes=src.nbytes)
+        for f in flats + whole:
+            f.write_back()
+        return outs
+
+    def gather(self, array, outs=None, root=0, timeout_s=None):
+        """Root's outs[j] receives rank j's array; non-roots pass outs=None."""
+        src, outs, whole = self._gather_args(array, outs, root)
+        flats = [_Flat(o, o.dtype, copy_in=False) for o in outs] if self.rank == root else []
+        self._run("gather", (_code_of(array), src.size, root, 0, _shape(array)),
+                  _local_all_gather_rooted if self._arena is None else self._select("gather", 0),
+                  _bytes(src), [_bytes(f.flat) for f in flats], root, timeout_s=timeout_s,
+                  nbytes=src.nbytes)
+        for f in flats + whole:
+            f.write_back()
+        return outs
+
+    def scatter(self, out, ins=None, root=0, timeout_s=None):
+        """Rank j's `out` receives root's ins[j]; non-roots pass ins=None."""
+        self._usable("scatter")
+        self._root("scatter", root)
+        _check_arrays("scatter", [out])
+        pieces = []
+        if self.rank == root:
+            pieces = [_bytes(np.ascontiguousarray(a)) for a in self._split_in("scatter", ins, out)]
+        f = _Flat(out, out.dtype, copy_in=False)
+        self._run("scatter", (_code_of(out), f.flat.size, root, 0, _shape(out)),
+                  _local_scatter if self._arena is None else self._select("scatter", 0),
+                  pieces, _bytes(f.flat), root, timeout_s=timeout_s, nbytes=f.flat.nbytes)
+        f.write_back()
+        return out
+
+    def all_to_all(self, outs, ins, timeout_s=None):
+        """outs[j] receives rank j's ins[rank]; sizes may differ per pair (must agree)."""
+        self._usable("all_to_all")
+        src, flats = _all_to_all_args(self.world_size, outs, ins)
+        self._run("all_to_all", (_code_of(outs[0]) if outs else 0, 0, 0, 0),
+                  _local_all_to_all if self._arena is None else self._select("all_to_all", 0),
+                  src, [_bytes(f.flat) for f in flats], timeout_s=timeout_s,
+                  nbytes=sum(s.size for s in src))
+        for f in flats:
+            f.write_back()
+        return outs
+
+    # -- list helpers ----------------------------------------------------------------------
+
+    def _gather_args(self, array, outs, root):
+        """gather's checks, shared with HierGroup: -> (array as a contiguous source, the
+        root's output arrays (non-roots: `outs` as given), the root's arrays to write back
+        (_split_out's `whole`; [] elsewhere))."""
+        self._usable("gather")
+        self._root("gather", root)
+        _check_arrays("gather", [array])
+        whole = []
+        if self.rank == root:
+            outs, whole = self._split_out("gather", outs, array)
+        return np.ascontiguousarray(array), outs, whole
+
+    def _split_out(self, name, outs, array):
+        """-> (world_size output arrays, [_Flat to write back after the collective]).
+
+        One output array is split through a _Flat: `reshape(-1)` of a strided array may be
+        a copy, and results written into a copy would be lost."""
+        whole = []
+        if isinstance(outs, np.ndarray):
+            if outs.size != self.world_size * array.size:
+                raise ValueError(f"{name}: output has {outs.size} elements, expected "
+                                 f"{self.world_size} x {array.size}")
+            whole = [_Flat(outs, outs.dtype, copy_in=False)]
+            flat = whole[0].flat
+            outs = np.split(flat, self.world_size) if flat.size else [flat] * self.world_size
+        if len(outs) != self.world_size:
+            raise ValueError(f"{name}: expected {self.world_size} outputs, got {len(outs)}")
+        _check_arrays(name, [array] + list(outs), same_dtype=True)
+        for o in outs:
+            if o.nbytes != array.nbytes:
+                raise ValueError(f"{name}: output has {o.nbytes} bytes, input {array.nbytes}")
+        return outs, whole
+
+    def _split_in(self, name, ins, out):
+        if isinstance(ins, np.ndarray):
+            if ins.size != self.world_size * out.size:
+                raise ValueError(f"{name}: input has {ins.size} elements, expected "
+                                 f"{self.world_size} x {out.size}")
+            ins = np.split(ins.reshape(-1), self.world_size) if ins.size else \
+                [ins.reshape(-1)] * self.world_size
+        if len(ins) != self.world_size:
+            raise ValueError(f"{name}: expected {self.world_size} inputs, got {len(ins)}")
+        _check_arrays(name, [out] + list(ins), same_dtype=True)
+        if ins[self.rank].size != out.size:
+            raise ValueError(f"{name}: input for rank {self.rank} has {ins[self.rank].size} "
+                             f"elements, output {out.size}")
+        return ins
+
+    # -- barrier ---------------------------------------------------------------------------
 
     def barrier(self, timeout_s=None):
         self._usable("barrier")
         algo = _local_nothing if self._arena is None else self._select("barrier", 0)
         self._run("barrier", (), algo, timeout_s=timeout_s)
 
-    # -- lifecycle -----------------------------------------------------------------------
+    # -- point-to-point: send / recv through the P2PEngine (p2p.py) ------------------------
+    # P2P consumes no seq number and touches no step counter, so it interleaves freely with
+    # collectives. Timeouts, lost peers and aborts poison the group as collectives do.
+
+    def attach_p2p(self, engine):
+        """Use `engine` (a p2p.P2PEngine; new_shm_group wires it) for send/recv."""
+        self._p2p = engine
+
+        def failed(error):
+            if self._poison is None:
+                self._poison = error
+        engine.on_fatal = failed
+
+    def isend(self, array, dst, tag=0, timeout_s=None):
+        """Start sending `array` to rank `dst`; returns a p2p.Request (wait() -> None).
+        Completes once the data is in the mailbox; do not modify `array` before that."""
+        engine = self._p2p_engine("send", dst, "destination")
+        data = _bytes(np.ascontiguousarray(array))
+        return engine.isend(data, dst, tag, self._p2p_timeout(timeout_s))
+
+    def irecv(self, array, src=None, tag=0, timeout_s=None):
+        """Start receiving into `array` from rank `src` (None: any rank); returns a
+        p2p.Request whose wait() returns the sender's rank."""
+        engine = self._p2p_engine("recv", src, "source")
+        f = _Flat(array, array.dtype, copy_in=False)
+        return engine.irecv(_bytes(f.flat), src, tag, self._p2p_timeout(timeout_s),
+                            f.write_back if f._copied else None)
+
+    def send(self, array, dst, tag=0, timeout_s=None):
+        """Send `array` to rank `dst` (returns once it is in the mailbox, not when received)."""
+        self.isend(array, dst, tag, timeout_s).wait()
+
+    def recv(self, array, src, tag=0, timeout_s=None):
+        """Receive into `array` from rank `src`; returns src."""
+        return self.irecv(array, src, tag, timeout_s).wait()
+
+    def recv_any(self, array, tag=0, timeout_s=None):
+        """Receive into `array` from whichever rank sends first with `tag`; returns its rank."""
+        return self.irecv(array, None, tag, timeout_s).wait()
+
+    def _p2p_engine(self, name, peer, what):
+        self._usable(name)
+        engine = self._p2p
+        if engine is None:
+            raise ShmcollError(f"{name}: this group has no point-to-point engine")
+        if peer is not None and not 0 <= peer < self.world_size:
+            raise ValueError(f"{name}: invalid {what} rank {peer} (world size {self.world_size})")
+        return engine
+
+    def _p2p_timeout(self, timeout_s):
+        return self.timeout_s if timeout_s is None else float(timeout_s)
+
+    # -- lifecycle -------------------------------------------------------------------------
 
     def abort(self):
         """Wake any collective blocked in this group (from any thread); poisons the group."""
@@ -354,3 +691,40 @@ class _Plan:
 
 
 _MAX_PLANS = 256
+
+
+# world_size == 1: the same semantics without any shared memory.
+def _local_reduce(arena, flat, spec):
+    if flat.size and (spec.pre != 1.0 or spec.post != 1.0):
+        from .kernels import reduce_into
+        reduce_into(flat, np.array([flat.ctypes.data], np.int64), spec.op, spec.kind,
+                    spec.pre, spec.post)
+
+
+def _local_reduce_rooted(arena, flat, root, spec):
+    _local_reduce(arena, flat, spec)
+
+
+def _local_reduce_scatter(arena, blocks, out, spec):
+    out[:] = blocks if type(blocks) is np.ndarray else blocks[0]
+    _local_reduce(arena, out, spec)
+
+
+def _local_nothing(arena, *args):
+    """barrier and broadcast of a single rank: nothing to wait for or copy."""
+
+
+def _local_all_gather(arena, src, outs):
+    (outs if type(outs) is np.ndarray else outs[0])[:] = src
+
+
+def _local_all_gather_rooted(arena, src, outs, root):
+    outs[0][:] = src
+
+
+def _local_scatter(arena, pieces, out, root):
+    out[:] = pieces[0]
+
+
+def _local_all_to_all(arena, src, outs):
+    outs[0][:] = src[0]

@@ -1,6 +1,6 @@
 """The engine Group's argument helpers: 1-D views of arrays (a temporary copy for strided
 ones), argument checks, and the fingerprint words of an array's dtype and shape. Shared by
-group.py, its mixins (group_reductions.py, group_movement.py, group_p2p.py) and hier/api.py.
+group.py and hier/api.py.
 """
 
 import numpy as np

@@ -46,12 +46,16 @@ lost peer or an abort fails every pending op, marks our region aborted and poiso
 group (on_fatal). close() joins the thread before the regions are unmapped.
 P2P never touches POSTED, SEQ or fingerprints, so it interleaves freely with collectives.
 
-Where the code is: this module posts, sends, receives and matches (P2PEngine, Request);
-p2p_cells.py holds the cell kernels (rules 1-3) and their kernel sets, p2p_progress.py the
-progress thread's loop and waits and the failure, abort and close paths (ProgressMixin).
+Where the code is: this module posts, sends, receives and matches, checks deadlines and
+peers, and fails, aborts and closes (P2PEngine: the rings, queues, requests, their lock and
+the failure state; Request); p2p_cells.py holds the cell kernels (rules 1-3) and their
+kernel sets; p2p_progress.py the progress thread (ProgressLoop: it owns the thread, its stop
+flag, its wake event and its waits, and calls the engine's progress, check_pending, fail
+and fail_all), as gloo splits tcp::Pair from tcp::Loop.
 """
 
 import collections
+import copy
 import logging
 import threading
 import time
@@ -59,9 +63,10 @@ import time
 import numpy as np
 
 from . import jit
-from .atomics import read_acquire
+from .atomics import read_acquire, write_release
+from .atomics import warm_up as atomics_warm_up
 from .errors import CollectiveMismatchError, CollectiveTimeoutError, GroupAbortedError, \
-    ShmcollError
+    PeerLostError, ShmcollError
 from .p2p_cells import (  # noqa: F401  (ensure_*: re-exported for warmup.py)
     _CELL_KERNELS,
     _NEVER,
@@ -73,8 +78,8 @@ from .p2p_cells import (  # noqa: F401  (ensure_*: re-exported for warmup.py)
     ensure_kernels,
     ensure_progress_wait,
 )
-from .p2p_progress import ProgressMixin, _copy_error
-from .protocol import LINE_NBYTES, SPINS, STATE_LIVE, W_STATE
+from .p2p_progress import ProgressLoop
+from .protocol import LINE_NBYTES, SPINS, STATE_ABORTED, STATE_CLOSED, STATE_LIVE, W_STATE
 
 __all__ = ["P2PEngine", "Request", "ANY_SOURCE", "ensure_kernels", "ensure_progress_wait"]
 
@@ -167,8 +172,9 @@ class _Unexpected:
         self.buf = np.empty(total, np.uint8)
 
 
-class P2PEngine(ProgressMixin):
-    """Mailboxes, matching and the progress thread of one rank of one group."""
+class P2PEngine:
+    """Mailboxes and matching of one rank of one group, driven by its progress thread (a
+    p2p_progress.ProgressLoop it owns)."""
 
     def __init__(self, regions, rank, layout, is_alive, oversubscribed=False, name="",
                  ready=None):
@@ -177,7 +183,6 @@ class P2PEngine(ProgressMixin):
         # (new_shm_group: warmup.wait_ready, its warm-up done): ready(timeout_s) -> bool,
         # what the thread waits for before it loads anything. Else it would take the job's
         # compile lock and hold it while numba readies itself, and the peers' loads wait.
-        self._ready = ready
         self.rank, self.world_size = rank, len(regions)
         self._regions, self._is_alive = regions, is_alive
         self._K, self._C = layout.p2p_cells, layout.p2p_cell_nbytes
@@ -206,18 +211,16 @@ class P2PEngine(ProgressMixin):
         self._unexpected = []  # _Unexpected in arrival order
         self._done = []  # (request, error) settled after the lock is released
         self._lock = threading.Lock()
-        self._wake = threading.Event()
         self._bell = np.zeros(1, np.int64)  # bumped on every post: ends the thread's spin early
         self._watch_addrs = np.array(self._in_addr + self._peer_consumed + [self._bell.ctypes.data],
                                      np.int64)
         self._watch_targets = np.full(2 * ws + 1, _NEVER, np.int64)
-        self._spins = 0 if oversubscribed else SPINS
         self._failed = None
-        self._stopping = False
+        self._closed = False  # close() began: posts are refused, abort does nothing
         self.on_fatal = None  # Group hooks this to poison itself
-        self._thread = threading.Thread(target=self._loop, daemon=True,
-                                        name=f"shmcoll-p2p-{name or 'group'}-r{rank}")
-        self._thread.start()
+        self._loop = ProgressLoop(self, self._state[rank], 0 if oversubscribed else SPINS,
+                                  ready, f"shmcoll-p2p-{name or 'group'}-r{rank}")
+        self._loop.start()
 
     # -- posting (any thread) ------------------------------------------------------------
 
@@ -240,14 +243,14 @@ class P2PEngine(ProgressMixin):
         with self._lock:
             if self._failed is not None:
                 raise _copy_error(self._failed)
-            if self._stopping or read_acquire(self._state[self.rank]) != STATE_LIVE:
+            if self._closed or read_acquire(self._state[self.rank]) != STATE_LIVE:
                 raise GroupAbortedError(f"{req.describe()}: the group was aborted or closed on "
                                         f"rank {self.rank}")
             fn(req)
             self._bell[0] += 1
         self._settle_done()
         if not req.is_completed():
-            self._wake.set()
+            self._loop.wake()
         return req
 
     def _post_send(self, req):
@@ -376,3 +379,158 @@ class P2PEngine(ProgressMixin):
         return ShmcollError(f"[Rank {self.rank}] p2p: cell {self._taken[src] + 1} from rank {src} "
                             f"is corrupt: expected {expected}, found "
                             f"(msg, tag, total, offset, nbytes) = {got}")
+
+    # -- the progress loop's interface (p2p_progress.ProgressLoop) ------------------------
+
+    def progress(self):
+        """One pass of the progress thread: drain every ring, push every queue, settle what
+        completed. Returns (did anything, ops pending, the words whose growth means
+        progress and their targets: see _watch)."""
+        with self._lock:
+            did = self._drain_all()
+            for dst in range(self.world_size):
+                if self._sendq[dst] and self._push(dst):
+                    did = True
+            pending = self._pending()
+            addrs, targets = self._watch()
+        self._settle_done()
+        return did, pending, addrs, targets
+
+    def check_pending(self):
+        """The first deadline passed or peer lost among pending ops, or None."""
+        with self._lock:
+            reqs = list(self._posted) + [q[0] for q in self._sendq if q]
+            reqs += [c.req for c in self._incoming if c is not None and c.req is not None]
+            now = time.monotonic()
+            for req in reqs:
+                if now > req.deadline:
+                    return CollectiveTimeoutError(
+                        f"[Rank {self.rank}] {req.describe()}: Timed out waiting "
+                        f"{int(round(req.timeout_s * 1000))}ms {self._progress_note(req)}")
+            for req in reqs:
+                error = self._check_peers(req)
+                if error is not None:
+                    return error
+            return None
+
+    def _pending(self):
+        return bool(self._posted or any(self._sendq) or
+                    any(c is not None and c.req is not None for c in self._incoming))
+
+    def _watch(self):
+        """Words whose growth means progress: next cell of each source, a free cell for each
+        destination with queued sends, the post bell. Returns (addrs, targets)."""
+        ws, K = self.world_size, self._K
+        addrs, targets = self._watch_addrs, self._watch_targets
+        for s in range(ws):
+            addrs[s] = self._in_addr[s] + (self._taken[s] % K) * self._stride
+            targets[s] = self._taken[s] + 1
+            targets[ws + s] = self._sent[s] + 1 - K if self._sendq[s] else _NEVER
+        targets[2 * ws] = self._bell[0] + 1
+        return addrs, targets
+
+    def _progress_note(self, req):
+        if req.op == "send":
+            sent = min(req.cells * self._C, req.nbytes)
+            return f"for rank {req.peer} to take its messages ({sent} of {req.nbytes} bytes sent)"
+        cur = next((c for c in self._incoming if c is not None and c.req is req), None)
+        if cur is None:
+            return "for the message (nothing matching arrived)"
+        got = min(cur.cells * self._C, cur.total)
+        return f"for the rest of the message ({got} of {cur.total} bytes arrived)"
+
+    def _check_peers(self, req):
+        peers = [req.peer] if req.peer != ANY_SOURCE else \
+            [p for p in range(self.world_size) if p != self.rank]
+        gone = []
+        for p in peers:
+            if p == self.rank:
+                continue
+            state = int(read_acquire(self._state[p]))
+            if state == STATE_ABORTED:
+                return GroupAbortedError(
+                    f"[Rank {self.rank}] {req.describe()}: rank {p} aborted the group; this "
+                    f"group is unusable, create a new one")
+            closed = state == STATE_CLOSED
+            if closed or not self._is_alive(p):
+                if not closed or req.peer != ANY_SOURCE:
+                    what = "closed the group" if closed else "exited"
+                    return PeerLostError(
+                        f"[Rank {self.rank}] {req.describe()}: rank {p} {what} while rank "
+                        f"{self.rank} waited for it; this group is unusable, create a new one",
+                        peer=p)
+                gone.append(p)
+        if peers and req.peer == ANY_SOURCE and len(gone) == len(peers):
+            return PeerLostError(f"[Rank {self.rank}] {req.describe()}: every other rank "
+                                 f"closed the group", peer=gone[0])
+        return None
+
+    # -- completion, failure, lifecycle ---------------------------------------------------
+
+    def _settle_done(self):
+        if not self._done:
+            return
+        with self._lock:
+            done, self._done = self._done, []
+        for req, error in done:
+            req._settle(error)
+
+    def fail(self, error):
+        """Fail every pending op with `error`, tell peers (STATE aborted), poison the group."""
+        with self._lock:
+            if self._failed is None:
+                self._failed = error
+                if read_acquire(self._state[self.rank]) == STATE_LIVE:
+                    write_release(self._state[self.rank], STATE_ABORTED)
+        if self.on_fatal is not None:
+            self.on_fatal(error)
+        self.fail_all(None, None)
+
+    def fail_all(self, cls, why):
+        """Fail every pending op: with the engine's failure if it has one (or `cls` is
+        None), else with cls(why)."""
+        with self._lock:
+            reqs = list(self._posted) + [r for q in self._sendq for r in q]
+            reqs += [c.req for c in self._incoming if c is not None and c.req is not None]
+            self._posted.clear()
+            for q in self._sendq:
+                q.clear()
+            for c in self._incoming:
+                if c is not None:
+                    c.req = c.buf = c.unexpected = None
+            failed = self._failed
+        self._settle_done()
+        for req in reqs:
+            if req.is_completed():
+                continue
+            req._settle(_copy_error(failed) if cls is None or failed is not None
+                        else cls(f"{req.describe()}: {why}"))
+
+    def abort(self):
+        """Fail pending ops soon (the thread sees the abort word); callable from any thread."""
+        atomics_warm_up()  # an abort may come before the group's first call loaded them
+        with self._lock:
+            if self._closed:  # the regions may be unmapped already
+                return
+            if read_acquire(self._state[self.rank]) == STATE_LIVE:
+                write_release(self._state[self.rank], STATE_ABORTED)
+        self._loop.wake()
+
+    def close(self, join_timeout_s=10.0):
+        """Stop and join the progress thread (before the regions are unmapped); idempotent."""
+        with self._lock:
+            self._closed = True
+        self._loop.stop(join_timeout_s)
+        self.fail_all(ShmcollError, f"the group was closed on rank {self.rank}")
+        if self._loop.is_alive():
+            raise ShmcollError(f"p2p progress thread of rank {self.rank} did not stop within "
+                               f"{join_timeout_s} s")
+        # drop our views of the regions so their mappings can really be closed
+        self._regions = self._out = self._in = None
+
+
+def _copy_error(error):
+    try:
+        return copy.copy(error)
+    except Exception:  # pragma: no cover
+        return ShmcollError(str(error))

@@ -2,9 +2,9 @@
 write, peek at and take cells (rules 1-3 of p2p.py's docstring, which draws the cell), and
 the kernel sets that load them and the progress thread's wait on first use (jit.once).
 
-Also the two constants that the engine (p2p.py) and its progress thread
-(p2p_progress.py) share: ANY_SOURCE and the wait target _NEVER. p2p.py re-exports
-ANY_SOURCE and ensure_kernels.
+Also the engine's (p2p.py) two constants: ANY_SOURCE and the wait target _NEVER. p2p.py
+re-exports ANY_SOURCE and ensure_kernels; the progress thread (p2p_progress.py) takes
+ensure_progress_wait from here.
 """
 
 import numpy as np

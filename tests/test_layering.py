@@ -1,7 +1,9 @@
 """Import rules (STYLE.md §00 and §3.2, ARCHITECTURE.md): the engine works without torch;
 algorithms never touch shared memory or torch; only shmcoll/torch_backend imports torch;
 `import shmcoll` / `import threaded_pg` (and the `torch.backends` entry points, which
-`import torch` runs) import neither torch nor numba; no import circles, lazy ones included."""
+`import torch` runs) import neither torch nor numba; no import circles, lazy ones included;
+one writer per piece of state: no class is built from *Mixin bases and no attribute is
+assigned from two files (STYLE.md §00, issue 24; allow-lists for what is still moving)."""
 
 import ast
 import pathlib
@@ -303,3 +305,169 @@ def test_resolver_sees_relative_imports():
     """Guard for the checks above: the AST walk resolves `from .. import x` forms."""
     mods = {m for m, _, _ in _imports(PACKAGE / "algorithms" / "__init__.py")}
     assert "shmcoll.single_copy" in mods and "shmcoll.algorithms.all_reduce" in mods, mods
+
+
+# -- one writer per piece of state (STYLE.md §00, issue 24) -------------------------------
+
+STATE_PACKAGES = ("shmcoll", "cuda_ipc", "threaded_pg")
+# Issue 24 (one writer per piece of state) moves these last mixins out; shrink this list as
+# it does, never grow it. (file, class) -> the mixin bases it may still have:
+# - the torch adapter's method tables (torch wants ~40 methods on one class; they hold no
+#   state of their own), which remain for now;
+# - the protocol Arena's drivers and waits (protocol_drivers.py, protocol_waits.py), being
+#   split into collaborators on their own branch.
+MIXIN_ALLOWED = {
+    ("shmcoll/torch_backend/process_group.py", "EngineProcessGroup"): {
+        "ReduceMixin", "MovementMixin", "GatherScatterMixin", "P2PMixin", "BarrierMixin"},
+    ("shmcoll/protocol.py", "Arena"): {"DriverMixin", "WaitMixin"},
+}
+# Issue 24 as well: attributes still written from more than one file; shrink it, never grow
+# it. class -> those attributes (allowed for its subclasses too):
+# - the Arena's step, slot and fingerprint state (protocol.py, protocol_drivers.py,
+#   protocol_waits.py), split into collaborators on its own branch;
+# - the adapter's monitored-barrier count (process_group.py starts it, the barriers.py
+#   method table bumps it) and the split count that ThreadedProcessGroup.split_group bumps
+#   beside EngineProcessGroup's (threaded_pg/backend.py): the adapter's own step.
+SPLIT_WRITERS_ALLOWED = {
+    "Arena": {"_begin_step", "_deadline", "_fp_list", "_fp_pending", "_fp_unwritten",
+              "_free_at", "_known_min", "_next_slot", "_op_name", "_scratch", "_seq",
+              "_slot_at_begin", "_step", "_timeout_s"},
+    "EngineProcessGroup": {"_monitored_barriers"},
+    "ThreadedProcessGroup": {"_split_count"},
+}
+
+
+def _state_files():
+    return {_module_name(p): p for d in STATE_PACKAGES for p in _py_files(ROOT / d)}
+
+
+def _classes():
+    """{(module, class name): (path, ClassDef, {base name: (module, class) or None})} over
+    STATE_PACKAGES; a base is resolved through the module's own classes and its
+    `from X import Name` imports (None: defined elsewhere, e.g. torch's)."""
+    files = _state_files()
+    trees = {m: ast.parse(p.read_text(), str(p)) for m, p in files.items()}
+    local = {m: {n.name for n in t.body if isinstance(n, ast.ClassDef)}
+             for m, t in trees.items()}
+    found = {}
+    for module, tree in trees.items():
+        imported = {}
+        for mod, _, node in _imports(files[module], tree):
+            if isinstance(node, ast.ImportFrom):
+                for alias in node.names:
+                    imported[alias.asname or alias.name] = (mod, alias.name)
+        for node in tree.body:
+            if not isinstance(node, ast.ClassDef):
+                continue
+            bases = {}
+            for base in node.bases:
+                name = base.id if isinstance(base, ast.Name) else \
+                    base.attr if isinstance(base, ast.Attribute) else None
+                if name is None:
+                    continue
+                if isinstance(base, ast.Name) and name in local[module]:
+                    bases[name] = (module, name)
+                elif isinstance(base, ast.Name) and name in imported and \
+                        name in local.get(imported[name][0], ()):
+                    bases[name] = (imported[name][0], imported[name][1])
+                else:
+                    bases[name] = None
+            found[(module, node.name)] = (files[module], node, bases)
+    return found
+
+
+def _self_writes(cls):
+    """{attribute: line} of every `self.X = / += / :` in the methods of ClassDef `cls`
+    (closures inside a method included: they write the same object)."""
+    writes = {}
+    for fn in cls.body:
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or not fn.args.args:
+            continue
+        me = fn.args.args[0].arg
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and \
+                    isinstance(node.value, ast.Name) and node.value.id == me:
+                writes.setdefault(node.attr, node.lineno)
+    return writes
+
+
+def _writers_by_file(key, classes):
+    """({attribute: {file: line}}, names of the classes walked) for class `key` and every
+    base of it defined here."""
+    out, todo, seen = {}, [key], set()
+    while todo:
+        k = todo.pop()
+        if k in seen or k not in classes:
+            continue
+        seen.add(k)
+        path, node, bases = classes[k]
+        rel = str(path.relative_to(ROOT))
+        for attr, line in _self_writes(node).items():
+            out.setdefault(attr, {}).setdefault(rel, line)
+        todo.extend(b for b in bases.values() if b is not None)
+    return out, {name for _, name in seen}
+
+
+def test_no_mixins():
+    """STYLE.md §00: an object is split by giving a collaborator its own state, never by
+    moving methods that share `self` into other files: no class inherits a *Mixin (but
+    MIXIN_ALLOWED's, which issue 24 removes)."""
+    bad = []
+    for (module, name), (path, node, bases) in sorted(_classes().items()):
+        rel = str(path.relative_to(ROOT))
+        allowed = MIXIN_ALLOWED.get((rel, name), set())
+        bad += [f"{rel}:{node.lineno} class {name}({b})" for b in bases
+                if b.endswith("Mixin") and b not in allowed]
+    assert not bad, "classes built from mixins (STYLE.md §00): " + "; ".join(bad)
+
+
+def test_mixin_allow_list_is_current():
+    """MIXIN_ALLOWED only shrinks: an entry whose mixin is gone must go too."""
+    classes = _classes()
+    stale = [(f, c, sorted(m - set(classes[(_module_name(ROOT / f), c)][2])))
+             for (f, c), m in MIXIN_ALLOWED.items()
+             if (_module_name(ROOT / f), c) not in classes or
+             m - set(classes[(_module_name(ROOT / f), c)][2])]
+    assert not stale, f"MIXIN_ALLOWED names mixins that are gone (remove them): {stale}"
+
+
+def test_one_writer_per_attribute():
+    """STYLE.md §00: every attribute of an object is assigned (`self.X = ...`) in one file,
+    counting the class and its bases defined in other files (a subclass that assigns its
+    base's attribute, or a mixin that assigns its host's, is a second writer)."""
+    classes = _classes()
+    bad = []
+    for key, (path, node, _) in sorted(classes.items()):
+        writers, lineage = _writers_by_file(key, classes)
+        allowed = set().union(*(SPLIT_WRITERS_ALLOWED.get(c, set()) for c in lineage))
+        for attr, where in sorted(writers.items()):
+            if len(where) > 1 and attr not in allowed:
+                bad.append(f"{node.name}.{attr}: " +
+                           ", ".join(f"{f}:{line}" for f, line in sorted(where.items())))
+    assert not bad, "attributes written from more than one file: " + "; ".join(bad)
+
+
+def test_split_writers_allow_list_is_current():
+    """SPLIT_WRITERS_ALLOWED only shrinks: an attribute that has one writer again goes."""
+    classes = _classes()
+    split = {}
+    for key in classes:
+        for attr, where in _writers_by_file(key, classes)[0].items():
+            if len(where) > 1:
+                split.setdefault(key[1], set()).add(attr)
+    stale = {c: sorted(a - split.get(c, set())) for c, a in SPLIT_WRITERS_ALLOWED.items()
+             if a - split.get(c, set())}
+    assert not stale, f"SPLIT_WRITERS_ALLOWED lists attributes with one writer now: {stale}"
+
+
+def test_one_writer_check_sees_closures_and_bases():
+    """Guard for the two checks above: a closure's `self.X = ` counts, bases resolve through
+    relative imports, and a mixin base is seen."""
+    tree = ast.parse("class C:\n    def m(self):\n        def f():\n            self.x = 1\n"
+                     "        self.y += 1\n")
+    assert set(_self_writes(tree.body[0])) == {"x", "y"}
+    classes = _classes()
+    assert classes[("threaded_pg.backend", "RankThreadExecutor")][2]["Executor"] == \
+        ("shmcoll.torch_backend.executor", "Executor")
+    assert "ReduceMixin" in classes[("shmcoll.torch_backend.process_group",
+                                     "EngineProcessGroup")][2]

@@ -35,17 +35,18 @@ import collections
 import threading
 import time
 
-from .executor_workers import WorkerMixin
+from .executor_workers import WorkerSet
 from .work import torch_error
 
 __all__ = ["Executor"]
 
 
-class Executor(WorkerMixin):
+class Executor:
     """Runs a group's jobs (work.Job) in submission order and completes them in that order.
 
-    Its worker threads are in executor_workers.py (WorkerMixin). Hooks for subclasses
-    (threaded_pg's rank executor): _submitted, _idle_wait, _woken, _thread_init.
+    Its threads are a WorkerSet (executor_workers.py), which owns them and their count;
+    what a worker does each round is _serve, here. Hooks for subclasses (threaded_pg's rank
+    executor): _submitted, _idle_wait, _woken, _thread_init.
     """
 
     _RETRY_S = 1e-3  # a waiter re-checks its job this often while another thread runs jobs
@@ -61,7 +62,6 @@ class Executor(WorkerMixin):
     COMPLETION_GRACE_S = 0.1
 
     def __init__(self, name, on_abort=None):
-        self._name = name
         self._cv = threading.Condition()
         self._queue = collections.deque()  # submitted, not executed
         self._completions = collections.deque()  # executed, not completed (issue order)
@@ -70,15 +70,13 @@ class Executor(WorkerMixin):
         self._completing = None  # the job it completes now
         self._completing_since = 0.0  # when it began that job
         self._nested = False  # the completer issued work from inside a callback
-        self._drain_started = float("-inf")  # when stop() last started a drainer
         self._stopped = False
         self.inline_busy = False  # a synchronous op is running on a caller's thread
         self._stop_reason = "shut down"
         self._on_abort = on_abort
-        self._threads = []  # worker threads; the first one lives until stop()
-        self._free = 0  # worker threads not inside a completion
+        self._workers = WorkerSet(name, self._cv)
         with self._cv:
-            self._start_worker(helper=False)
+            self._workers.start(False, self._thread_init, self._serve)
 
     @property
     def pending(self):
@@ -86,7 +84,7 @@ class Executor(WorkerMixin):
 
     def owns_current_thread(self):
         """The calling thread is one of this executor's workers."""
-        return threading.current_thread() in self._threads
+        return self._workers.owns(threading.current_thread())
 
     # -- submitting and executing ----------------------------------------------------------
 
@@ -138,7 +136,7 @@ class Executor(WorkerMixin):
                     self._cv.notify()
                     self._ensure_free_worker()
 
-    # -- completing ----------------------------------------------------------------------
+    # -- completing ------------------------------------------------------------------------
 
     def complete_later(self, job):
         """Complete `job`, finished elsewhere (a point-to-point request), like the executed
@@ -165,7 +163,7 @@ class Executor(WorkerMixin):
         completer's callbacks may call this again (Work.wait inside a callback): that
         inner call completes the jobs after, in order, and returns."""
         me = threading.current_thread()
-        worker = me in self._threads
+        worker = self._workers.owns(me)
         with self._cv:
             inner = self._completer is me and not claimed
             if not (claimed or inner):
@@ -173,7 +171,7 @@ class Executor(WorkerMixin):
                     return
                 self._completer = me
             if worker and not inner:
-                self._free -= 1
+                self._workers.enter_completion()
                 self._ensure_free_worker()
         try:
             while True:
@@ -191,9 +189,68 @@ class Executor(WorkerMixin):
         finally:
             if worker and not inner:
                 with self._cv:
-                    self._free += 1
+                    self._workers.leave_completion()
 
-    # -- hooks for subclasses -------------------------------------------------------------
+    # -- the workers' rounds (the threads themselves: executor_workers.WorkerSet) ----------
+
+    def _ensure_free_worker(self):
+        """Holding _cv: work is waiting and every worker is inside a completion: start a
+        helper (a worker blocked in a callback must not hold up the queue)."""
+        if self._workers.free == 0 and not self._stopped and (self._queue or self._completions):
+            self._workers.start(True, self._thread_init, self._serve)
+
+    def _drain(self):
+        """What a drainer thread does (stop()): complete the jobs left, taking over a
+        stuck completer."""
+        self._complete_in_order(steal=True)
+
+    def _serve(self, helper):
+        """One round of a worker: complete jobs in order, or execute one job; False when
+        the worker should end."""
+        idle_since = time.monotonic()
+        with self._cv:
+            while True:
+                if self._completions and (self._completer is None or self._stuck()):
+                    self._completer = threading.current_thread()
+                    claimed = True
+                    break
+                if self._stopped:
+                    return False
+                if self._queue:
+                    claimed = False
+                    break
+                if self._completions:  # wait until the completer is done or stuck
+                    timeout = max(self._completing_since + self.COMPLETION_GRACE_S
+                                  - time.monotonic(), self._RETRY_S)
+                elif helper:
+                    timeout = self.HELPER_IDLE_S - (time.monotonic() - idle_since)
+                    if timeout <= 0:
+                        return False
+                else:
+                    timeout = None
+                self._idle_wait(helper, timeout)
+            self._woken()
+        if claimed:
+            self._complete_in_order(claimed=True)
+            return True
+        if not self._running.acquire(blocking=False):
+            with self._cv:
+                self._cv.wait(self._BUSY_RETRY_S)
+            return True
+        try:
+            with self._cv:
+                job = self._queue.popleft() if self._queue else None
+            if job is not None:
+                job.execute()
+                with self._cv:  # before _running goes: a thread that runs the next job
+                    self._completions.append(job)  # must find this one ahead of it
+        finally:
+            self._running.release()
+        if job is not None:
+            self._complete_in_order()
+        return True
+
+    # -- hooks for subclasses --------------------------------------------------------------
 
     def _thread_init(self):
         """First thing every worker thread does; subclasses bind thread state here."""
@@ -268,12 +325,10 @@ class Executor(WorkerMixin):
             with self._cv:
                 left = bool(self._completions)
                 if left and (self._completer is None or self._stuck()) and \
-                        time.monotonic() - self._drain_started > self.COMPLETION_GRACE_S:
-                    self._start_drainer()
+                        time.monotonic() - self._workers.drain_started > self.COMPLETION_GRACE_S:
+                    self._workers.start_drainer(self._thread_init, self._drain)
             if not left or time.monotonic() > deadline:
                 break
             time.sleep(self._RETRY_S)
-        for thread in list(self._threads):
-            if thread is not threading.current_thread():
-                thread.join(max(deadline - time.monotonic(), 0))
+        self._workers.join(deadline)
         return idle

@@ -1,103 +1,81 @@
-"""The Executor's worker threads: the first worker and the helpers (_start_worker,
-_ensure_free_worker), a worker's life and each of its rounds (_loop, _serve: complete the
-executed jobs in order, or execute the next one), and the drainer threads that stop() starts
-for the jobs left (_start_drainer).
+"""The Executor's threads (WorkerSet): the first worker, the helpers, the drainers.
 
-`WorkerMixin` is a part of executor.Executor (it uses the Executor's queue, completions,
-locks and completer state, its timing constants, _complete_in_order and its hooks for
-subclasses: _thread_init, _idle_wait, _woken). It holds every thread the Executor starts;
-executor.py keeps submitting, executing, completing, waiting and stopping, and its module
-docstring the rules these threads follow.
+A WorkerSet owns its threads and their bookkeeping: the worker threads, how many of them
+are free (not inside a completion), and when the last drainer started. It is held by one
+executor.Executor and knows it only through the callables each start is given (held by
+that thread alone, so no reference cycle outlives the threads): thread_init() (the first
+thing every thread does: the Executor's hook for subclasses), serve(helper) -> bool (one
+round of a worker: complete the executed jobs in order, or execute the next job; False
+when the worker should end) and complete() (what a drainer does: complete the jobs left,
+taking over a stuck completer). What a worker does, and the rules these threads follow,
+are executor.py's (its module docstring).
+
+Every method but owns() and join() is called holding the Executor's condition `cv`, which
+the set itself takes only when a worker ends.
 """
 
 import threading
 import time
 
-__all__ = ["WorkerMixin"]
+__all__ = ["WorkerSet"]
 
 
-class WorkerMixin:
-    """The worker threads of executor.Executor (see the module docstring)."""
+class WorkerSet:
+    """The threads of one executor.Executor (see the module docstring)."""
 
-    def _start_worker(self, helper):
-        """Start a worker (holding _cv)."""
-        thread = threading.Thread(target=self._loop, args=(helper,), daemon=True,
+    def __init__(self, name, cv):
+        self._name = name
+        self._cv = cv
+        self._threads = []  # worker threads; the first one lives until the executor stops
+        self.free = 0  # worker threads not inside a completion
+        self.drain_started = float("-inf")  # when start_drainer last started a drainer
+
+    def owns(self, thread):
+        """`thread` is one of the worker threads."""
+        return thread in self._threads
+
+    def start(self, helper, thread_init, serve):
+        """Start a worker: the first one (helper False), or a helper that ends after the
+        Executor's HELPER_IDLE_S without work (its serve() says when)."""
+        thread = threading.Thread(target=self._loop, args=(helper, thread_init, serve),
+                                  daemon=True,
                                   name=f"shmcoll-{self._name}" + ("-helper" if helper else ""))
         self._threads.append(thread)
-        self._free += 1
+        self.free += 1
         thread.start()
 
-    def _ensure_free_worker(self):
-        """Holding _cv: work is waiting and every worker is inside a completion: start a
-        helper (a worker blocked in a callback must not hold up the queue)."""
-        if self._free == 0 and not self._stopped and (self._queue or self._completions):
-            self._start_worker(helper=True)
+    def enter_completion(self):
+        """A worker begins completing jobs: it is not free until leave_completion()."""
+        self.free -= 1
 
-    def _loop(self, helper):
-        self._thread_init()
+    def leave_completion(self):
+        self.free += 1
+
+    def start_drainer(self, thread_init, complete):
+        """Start a thread that completes the jobs left at stop() in order, taking over a
+        stuck completer. Not the stopping thread itself: a callback that waits for a later
+        job (whose abort is queued behind it) blocks whichever thread completes it, so
+        every blocked callback gets its own thread, and the next one completes the jobs
+        after it, which ends those waits."""
+        self.drain_started = time.monotonic()  # one drainer per grace period
+
+        def drain():
+            thread_init()
+            complete()
+        threading.Thread(target=drain, daemon=True, name=f"shmcoll-{self._name}-drain").start()
+
+    def join(self, deadline):
+        """Join every worker (but the calling thread) until time.monotonic() `deadline`."""
+        for thread in list(self._threads):
+            if thread is not threading.current_thread():
+                thread.join(max(deadline - time.monotonic(), 0))
+
+    def _loop(self, helper, thread_init, serve):
+        thread_init()
         try:
-            while self._serve(helper):
+            while serve(helper):
                 pass
         finally:
             with self._cv:
-                self._free -= 1
+                self.free -= 1
                 self._threads.remove(threading.current_thread())
-
-    def _serve(self, helper):
-        """One round of a worker: complete jobs in order, or execute one job; False when
-        the worker should end."""
-        idle_since = time.monotonic()
-        with self._cv:
-            while True:
-                if self._completions and (self._completer is None or self._stuck()):
-                    self._completer = threading.current_thread()
-                    claimed = True
-                    break
-                if self._stopped:
-                    return False
-                if self._queue:
-                    claimed = False
-                    break
-                if self._completions:  # wait until the completer is done or stuck
-                    timeout = max(self._completing_since + self.COMPLETION_GRACE_S
-                                  - time.monotonic(), self._RETRY_S)
-                elif helper:
-                    timeout = self.HELPER_IDLE_S - (time.monotonic() - idle_since)
-                    if timeout <= 0:
-                        return False
-                else:
-                    timeout = None
-                self._idle_wait(helper, timeout)
-            self._woken()
-        if claimed:
-            self._complete_in_order(claimed=True)
-            return True
-        if not self._running.acquire(blocking=False):
-            with self._cv:
-                self._cv.wait(self._BUSY_RETRY_S)
-            return True
-        try:
-            with self._cv:
-                job = self._queue.popleft() if self._queue else None
-            if job is not None:
-                job.execute()
-                with self._cv:  # before _running goes: a thread that runs the next job
-                    self._completions.append(job)  # must find this one ahead of it
-        finally:
-            self._running.release()
-        if job is not None:
-            self._complete_in_order()
-        return True
-
-    def _start_drainer(self):
-        """Start a thread (holding _cv) that completes the jobs left at stop() in order,
-        taking over a stuck completer. Not the stopping thread itself: a callback that
-        waits for a later job (whose abort is queued behind it) blocks whichever thread
-        completes it, so every blocked callback gets its own thread, and the next one
-        completes the jobs after it, which ends those waits."""
-        self._drain_started = time.monotonic()  # one drainer per grace period
-
-        def drain():
-            self._thread_init()
-            self._complete_in_order(steal=True)
-        threading.Thread(target=drain, daemon=True, name=f"shmcoll-{self._name}-drain").start()
