@@ -7,7 +7,7 @@ torch >= 2.5 `import torch` alone does: torch_backend/plugin.py), now if torch i
 else as soon as torch is.
 """
 
-import importlib
+from .lazy_names import lazy_attributes
 
 __all__ = [
     "Group",
@@ -38,17 +38,7 @@ _WHERE = {  # name -> the module that defines it (each kernel module imports jit
 }
 
 
-def __getattr__(name):
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_attributes(__name__, _WHERE)
 
 
 def _register_torch_backend():

@@ -23,6 +23,7 @@ ADAPTER_IMPORTS_ALLOWED = {PACKAGE / "__init__.py": {"shmcoll.torch_backend.plug
 # import only the standard library and each other. Their names load the rest on first use.
 IMPORT_TIME_MODULES = {
     "shmcoll": PACKAGE / "__init__.py",
+    "shmcoll.lazy_names": PACKAGE / "lazy_names.py",
     "shmcoll.torch_backend": PACKAGE / "torch_backend" / "__init__.py",
     "shmcoll.torch_backend.plugin": PACKAGE / "torch_backend" / "plugin.py",
     "shmcoll.torch_backend.import_hook": PACKAGE / "torch_backend" / "import_hook.py",

@@ -15,6 +15,7 @@ is (with torch >= 2.5, `import torch` alone registers it: the `torch.backends` e
 """
 
 import importlib
+from shmcoll.lazy_names import lazy_attributes
 import importlib.util
 
 _ENGINE = {  # name -> the module that defines it
@@ -44,17 +45,7 @@ def _torch_installed():
 __all__ = list(_ENGINE) + (list(_WITH_TORCH) if _torch_installed() else [])
 
 
-def __getattr__(name):
-    module = _ENGINE.get(name) or _WITH_TORCH.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_attributes(__name__, {**_ENGINE, **_WITH_TORCH})
 
 
 def _register_torch_backend():

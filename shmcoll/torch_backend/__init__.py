@@ -12,7 +12,7 @@ trampolines), `dist.Backend.register_backend(..., extended_api=True)` with
 `_DistributedBackendOptions` fields (store, group_rank, group_size, timeout, group_id).
 """
 
-import importlib
+from ..lazy_names import lazy_attributes
 
 __all__ = ["register", "EngineProcessGroup", "ProcessGroupShm", "HierProcessGroup",
            "ShmOptions", "create_shm_process_group", "new_process_group"]
@@ -28,14 +28,4 @@ _WHERE = {  # name -> the module of this package that defines it
 }
 
 
-def __getattr__(name):
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_attributes(__name__, _WHERE)
