@@ -108,9 +108,7 @@ class ThreadedProcessGroup(EngineProcessGroup):
                     device_types=None):
         """As EngineProcessGroup.split_group, but the new group's ranks are threads too."""
         ranks = sorted(int(r) for r in ranks)
-        with self._lock:
-            self._split_count += 1
-            count = self._split_count
+        count = self._next_split()
         if self.rank() not in ranks:
             return None
         rendezvous, global_rank = _binding()

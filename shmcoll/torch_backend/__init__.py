@@ -21,7 +21,7 @@ _WHERE = {  # name -> the module of this package that defines it
     "register": "plugin",
     "create_shm_process_group": "plugin",
     "EngineProcessGroup": "process_group",
-    "ProcessGroupShm": "process_group",
+    "ProcessGroupShm": "hier_pg",
     "ShmOptions": "pg_args",
     "HierProcessGroup": "hier_pg",
     "new_process_group": "hier_pg",

@@ -62,9 +62,7 @@ class BarrierMixin:
             raise self._closed_error("monitoredBarrier")
         t_s = self.group.timeout_s if timeout is None else to_seconds(timeout)
         ms = int(round(t_s * 1000))
-        with self._lock:
-            self._monitored_barriers += 1
-            n = self._monitored_barriers
+        n = self._next_monitored_barrier()
         rank, size = self.rank(), self.size()
         if size == 1:
             return None

@@ -1,8 +1,9 @@
-"""Backend "shm" on several nodes, and the choice between one node and several.
+"""The concrete "shm" process groups, and the choice between one node and several.
 
 new_process_group(store, rank, size, options) -- what the backend creator and split_group
-call -- discovers the nodes (hier/nodes.py): one node gives exactly ProcessGroupShm, as
-before; several give a HierProcessGroup: the same EngineProcessGroup (gloo-worded checks,
+call -- discovers the nodes (hier/nodes.py): one node gives a ProcessGroupShm (an
+EngineProcessGroup over an engine Group; also built directly, gloo-style:
+ProcessGroupShm(store, rank, size, opts | timeout=)); several give a HierProcessGroup: the same EngineProcessGroup (gloo-worded checks,
 Work, futures, coalescing, object collectives) over a hier.HierGroup instead of an engine
 Group. Point-to-point goes over the group's world channel (a gloo group of every rank),
 for every pair: one transport per pair keeps per-tag order, and a receive from any source
@@ -24,10 +25,10 @@ from ..hier import discover, new_hier_group
 from ..init_phases import phase
 from . import checks
 from .inter_node import make_transport
-from .process_group import EngineProcessGroup, ProcessGroupShm, ShmOptions
+from .process_group import EngineProcessGroup, ShmOptions
 from .work import torch_error
 
-__all__ = ["HierProcessGroup", "new_process_group"]
+__all__ = ["ProcessGroupShm", "HierProcessGroup", "new_process_group"]
 
 log = logging.getLogger("shmcoll")
 
@@ -46,6 +47,35 @@ def new_process_group(store, rank, size, options=None, timeout=None, group_name=
         with phase("ProcessGroupShm"):
             return ProcessGroupShm(store, rank, size, options)
     return HierProcessGroup(store, rank, size, layout, options)
+
+
+class ProcessGroupShm(EngineProcessGroup):
+    """gloo-style direct construction: ProcessGroupShm(store, rank, size, options | timeout).
+
+    `options` is a ProcessGroupShm.Options (`_timeout` in seconds or a timedelta,
+    `group_name`); `timeout=` wins over options._timeout. Works with `group=pg` in dist.*
+    without being registered, like c10d.ProcessGroupGloo."""
+
+    def __init__(self, store, rank, size, options=None, timeout=None, group_name=None):
+        from ..pages import torch_buffers_small_pages
+        from ..shm_group import new_shm_group
+
+        if isinstance(options, datetime.timedelta):
+            options, timeout = None, options
+        options = ShmOptions.coerce(options)
+        if timeout is not None:
+            options._timeout = timeout
+        if group_name:
+            options.group_name = str(group_name)
+        # torch's tensors, unlike numpy's large arrays, sit on 4 KiB pages unless torch was
+        # told otherwise (pages.py): that bounds where reading peers' buffers pays
+        group = new_shm_group(store, rank, size, timeout_s=options._timeout.total_seconds(),
+                              name=options.group_name, small_pages=torch_buffers_small_pages())
+        with phase("adapter"):
+            super().__init__(group, "shm", store=store, options=options)
+
+    def _new_split_group(self, store, rank, size, options):
+        return new_process_group(store, rank, size, options)
 
 
 class HierProcessGroup(EngineProcessGroup):
@@ -67,6 +97,9 @@ class HierProcessGroup(EngineProcessGroup):
         self._p2p = weakref.WeakSet()  # unfinished p2p works (close abandons if any)
 
     # -- point-to-point over the world channel -------------------------------------------
+
+    def _new_split_group(self, store, rank, size, options):
+        return new_process_group(store, rank, size, options)
 
     def send(self, tensors, dstRank, tag=0):
         t = self._p2p_tensor("send", tensors, dstRank, tag, "destination")

@@ -13,7 +13,8 @@ n > 1 inputs per rank, allgather_coalesced) and [] when it has none (non-root ga
 barrier). After a failure that poisons the group (timeout, lost peer, abort) every later
 operation fails with a DistBackendError saying the group was aborted and why.
 
-Direct construction like gloo's: ProcessGroupShm(store, rank, size, opts | timeout=).
+The concrete "shm" groups (ProcessGroupShm, gloo-style direct construction, and
+HierProcessGroup) are in hier_pg.py, with the factory that chooses between them.
 
 The methods are spread over mixins by kind: reductions.py (ReduceMixin), movement.py
 (MovementMixin: broadcast, all-gathers, all-to-all), gather_scatter.py (GatherScatterMixin),
@@ -22,7 +23,6 @@ the plumbing, coalescing, split and lifecycle; pg_args.py the Options and the ar
 coercions.
 """
 
-import datetime
 import threading
 import weakref
 
@@ -31,7 +31,6 @@ import torch.distributed as dist
 
 from .. import config as _config
 from ..errors import GroupAbortedError
-from ..init_phases import phase
 from . import checks
 from .barriers import BarrierMixin
 from .convert import timeout_s, to_seconds
@@ -43,7 +42,7 @@ from .pg_args import ShmOptions
 from .reductions import ReduceMixin
 from .work import CompletedWork, Job, ShmWork, torch_error
 
-__all__ = ["EngineProcessGroup", "ProcessGroupShm", "ShmOptions"]
+__all__ = ["EngineProcessGroup", "ShmOptions"]
 
 
 class EngineProcessGroup(ReduceMixin, MovementMixin, GatherScatterMixin, P2PMixin, BarrierMixin,
@@ -265,9 +264,7 @@ class EngineProcessGroup(ReduceMixin, MovementMixin, GatherScatterMixin, P2PMixi
         """A new group of `ranks` (ranks of this group); every rank of this group calls it
         (in the same order), non-members get None. Used by dist.split_group."""
         ranks = sorted(int(r) for r in ranks)
-        with self._lock:
-            self._split_count += 1
-            count = self._split_count
+        count = self._next_split()
         if self.rank() not in ranks:
             return None
         if self._store is None:
@@ -285,12 +282,30 @@ class EngineProcessGroup(ReduceMixin, MovementMixin, GatherScatterMixin, P2PMixi
         # count and the member list do. One node: a ProcessGroupShm, else hierarchical.
         store = dist.PrefixStore(f"shmcoll_split/{count}/{'_'.join(map(str, ranks))}/",
                                  self._store)
-        from .hier_pg import new_process_group
-        pg = new_process_group(store, ranks.index(self.rank()), len(ranks), options)
+        pg = self._new_split_group(store, ranks.index(self.rank()), len(ranks), options)
         pg._set_group_name(name)
         if group_desc:
             pg._set_group_desc(group_desc)
         return pg
+
+    def _new_split_group(self, store, rank, size, options):
+        """The group split_group makes of its members: the concrete classes say which
+        (hier_pg: one node or several, as the backend's creator decides)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot split")
+
+    def _next_split(self):
+        """This group's split count, after counting one more split (every rank of the group
+        counts every split, member or not: the count keys the split's rendezvous)."""
+        with self._lock:
+            self._split_count += 1
+            return self._split_count
+
+    def _next_monitored_barrier(self):
+        """The number of this monitored barrier (1, 2, ...): it keys the barrier's store
+        entries."""
+        with self._lock:
+            self._monitored_barriers += 1
+            return self._monitored_barriers
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -335,29 +350,3 @@ def _release(executor, group, reason="shut down", abort=True):
     joined = executor.stop(abort_pending=abort, reason=reason)
     if joined:  # never unmap memory a still-running job could touch
         group.close()
-
-
-class ProcessGroupShm(EngineProcessGroup):
-    """gloo-style direct construction: ProcessGroupShm(store, rank, size, options | timeout).
-
-    `options` is a ProcessGroupShm.Options (`_timeout` in seconds or a timedelta,
-    `group_name`); `timeout=` wins over options._timeout. Works with `group=pg` in dist.*
-    without being registered, like c10d.ProcessGroupGloo."""
-
-    def __init__(self, store, rank, size, options=None, timeout=None, group_name=None):
-        from ..pages import torch_buffers_small_pages
-        from ..shm_group import new_shm_group
-
-        if isinstance(options, datetime.timedelta):
-            options, timeout = None, options
-        options = ShmOptions.coerce(options)
-        if timeout is not None:
-            options._timeout = timeout
-        if group_name:
-            options.group_name = str(group_name)
-        # torch's tensors, unlike numpy's large arrays, sit on 4 KiB pages unless torch was
-        # told otherwise (pages.py): that bounds where reading peers' buffers pays
-        group = new_shm_group(store, rank, size, timeout_s=options._timeout.total_seconds(),
-                              name=options.group_name, small_pages=torch_buffers_small_pages())
-        with phase("adapter"):
-            super().__init__(group, "shm", store=store, options=options)
