@@ -10,8 +10,9 @@ FAIL is something that will make a job fail; it comes with the fix, and the exit
 is then 1 (0 otherwise, 2 for a bad command line). Nothing here changes the machine.
 
 GPUs are an extension point: another package adds a section with register_section(title,
-fn), fn(options) returning Findings; `cuda_ipc.doctor` is imported when it exists, so the
-CUDA IPC package can report its devices, P2P matrix and tier there. Without it (or
+fn), fn(options) returning Findings, in the module its "shmcoll.doctor" entry point names
+(imported by the GPU check): cuda_ipc declares `cuda_ipc.doctor`, so the CUDA IPC package
+reports its devices, P2P matrix and tier there. Without it (or
 without a GPU) the section says so.
 """
 
@@ -303,17 +304,30 @@ def check_cache(opts):
 
 
 def check_gpus(opts):
-    try:
-        importlib.import_module("cuda_ipc.doctor")  # registers its own section(s)
-    except ModuleNotFoundError as e:
-        if e.name not in ("cuda_ipc", "cuda_ipc.doctor"):
-            return [Finding(WARN, f"cuda_ipc.doctor could not be imported: {e}")]
-    except Exception as e:  # noqa: BLE001 -- an extension's bug must not hide the report
-        return [Finding(WARN, f"cuda_ipc.doctor could not be imported: {e!r}")]
-    if _SECTIONS:
-        return []
+    found = []
+    for ep in _extensions():  # each registers its own section(s) when imported
+        try:
+            ep.load()
+        except ModuleNotFoundError as e:
+            top = ep.value.split(":")[0]
+            if e.name not in (top.split(".")[0], top):
+                found.append(Finding(WARN, f"{top} could not be imported: {e}"))
+        except Exception as e:  # noqa: BLE001 -- an extension's bug must not hide the report
+            found.append(Finding(WARN, f"{ep.value} could not be imported: {e!r}"))
+    if found or _SECTIONS:
+        return found
     return [Finding(INFO, "no GPU section (cuda_ipc is not installed): shm handles CPU "
                           "tensors; CUDA tensors need another backend (nccl)")]
+
+
+def _extensions():
+    """The installed packages' sections: the entry points of the group "shmcoll.doctor"
+    (cuda_ipc declares `cuda_ipc.doctor` there: pyproject.toml). The doctor names no
+    package above it; a package adds its section by declaring one."""
+    try:
+        return list(importlib.metadata.entry_points(group="shmcoll.doctor"))
+    except Exception:  # noqa: BLE001 -- broken metadata elsewhere must not end the report
+        return []
 
 
 # ------------------------------------------------------------------------------ driver

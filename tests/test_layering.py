@@ -79,6 +79,18 @@ def _imports(path, tree=None):
             else:
                 mod = node.module
             yield mod, node.lineno, node
+        elif _is_import_module_call(node):  # importlib.import_module("a.b"): an edge too
+            yield node.args[0].value, node.lineno, node
+
+
+def _is_import_module_call(node):
+    """A call importlib.import_module / import_module / __import__ with a literal name."""
+    if not (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)):
+        return False
+    fn = node.func
+    name = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", None)
+    return name in ("import_module", "__import__")
 
 
 def _top_level_torch_imports(path):
@@ -301,6 +313,14 @@ def test_circle_finder_sees_lazy_imports():
     assert "shmcoll.pages" in graph["shmcoll.torch_backend.hier_pg"]
     assert "shmcoll.torch_backend.process_group" in graph["shmcoll.torch_backend"]
     assert "threaded_pg.spawning" in graph["threaded_pg"]
+
+
+def test_import_module_calls_are_edges():
+    """Guard: importlib.import_module("a.b") counts as an import (the doctor once reached
+    cuda_ipc that way, a circle the AST walk did not see)."""
+    call = ast.parse('importlib.import_module("cuda_ipc.doctor")').body[0].value
+    assert _is_import_module_call(call)
+    assert not _is_import_module_call(ast.parse("importlib.import_module(name)").body[0].value)
 
 
 def test_resolver_sees_relative_imports():
