@@ -22,7 +22,8 @@ import torch
 
 import harness
 import test_torch_backend as tb
-from _ranks import Job, new_foreign_entries, shm_entries
+from _ranks import Job
+from support.devshm import new_foreign_entries, shm_entries
 
 JOB_TIMEOUT_S = float(os.environ.get("SHMCOLL_GPU_JOB_TIMEOUT_S", "300"))
 TEST_TIMEOUT_S = float(os.environ.get("SHMCOLL_GPU_TEST_TIMEOUT_S", "900"))
