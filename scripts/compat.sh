@@ -68,8 +68,8 @@ run_tests() {
   # arithmetic against torch's) and a hierarchical group (gloo between nodes). ~6.5 min
   # with every cuda_ipc and hier test, ~4 without: these are the ones that touch torch.
   "$PY" -m pytest -q -p no:cacheprovider -m "not slow" --durations 15 \
-    tests/test_torch_compat.py tests/test_torch_backend.py tests/test_gloo_seeds.py \
-    tests/test_threaded_pg.py tests/test_threaded_rng.py tests/test_futures.py tests/test_ddp.py \
+    tests/test_torch_compat.py tests/test_torch_backend*.py tests/test_gloo_seeds_*.py \
+    tests/test_threaded_pg_*.py tests/test_threaded_rng.py tests/test_futures.py tests/test_ddp.py \
     tests/test_programs.py tests/test_autoload.py tests/test_tensor_memory.py \
     tests/test_cuda_ipc.py::test_a_callers_default_device_does_not_leak_into_the_backend \
     tests/test_cuda_ipc.py::test_ddp_on_the_device_path \

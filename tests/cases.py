@@ -5,9 +5,9 @@ Each check runs on one rank of an engine Group (numpy API): it builds every rank
 reference. It returns a digest of what must be identical on every rank (None where ranks
 legitimately differ), so the caller can also assert that all ranks got the same bytes.
 
-References follow the engine's documented arithmetic (kernels.py): reduce in rank order,
-pre-scale every source by the PREMUL_SUM factor, post-scale by 1/world_size for AVG, in the
-tensor's own precision; float16/bfloat16 accumulate in float32 and round once (RNE). Inputs
+References follow the engine's documented arithmetic (support/reference.py: reduce in rank
+order, pre-scale by the PREMUL_SUM factor, post-scale by 1/world_size for AVG, float16/bfloat16
+accumulated in float32 and rounded once). Inputs
 are small dyadic rationals, so sums and products are exact and only that final rounding
 (and AVG's scale) can differ from exact arithmetic.
 
@@ -29,6 +29,7 @@ import hashlib
 import numpy as np
 
 from shmcoll import ReduceOp
+from support.reference import bf16_widen, PREMUL, reference_reduce
 
 __all__ = [
     "DTYPES", "COUNTS", "LARGE_COUNT", "LAYOUT_CASES", "SMALL_SLOT_ENV", "PREMUL", "valid_ops", "invalid_ops",
@@ -48,7 +49,6 @@ LARGE_COUNT = 70001
 COUNTS = (0, 1, 3333, LARGE_COUNT)
 # (count, layout) of the non-contiguous and 0-d cases every in-place collective runs
 LAYOUT_CASES = ((3333, "strided"), (3333, "strided2d"), (1, "0d"), (0, "strided"))
-PREMUL = -1.5  # dyadic: pre-scaling stays exact
 
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
 _COMPLEX = ("complex64", "complex128")
@@ -141,58 +141,6 @@ def _dyadic(rng, count, product):
     return rng.integers(-64, 65, count) / 4.0
 
 
-# ----------------------------------------------------------------------------- reference
-
-def _bf16_widen(bits):
-    return (bits.astype(np.uint32) << 16).view(np.float32)
-
-
-def bf16_rne(f32):
-    """float32 -> bfloat16 bits, round to nearest even (no NaN in our inputs)."""
-    x = np.ascontiguousarray(f32, np.float32).view(np.uint32).astype(np.uint64)
-    return ((x + 0x7FFF + ((x >> 16) & 1)) >> 16).astype(np.uint16)
-
-
-_FOLD = {
-    _O.SUM: np.add, _O.AVG: np.add, _O.PREMUL_SUM: np.add, _O.PRODUCT: np.multiply,
-    _O.MIN: np.minimum, _O.MAX: np.maximum, _O.BAND: np.bitwise_and, _O.BOR: np.bitwise_or,
-    _O.BXOR: np.bitwise_xor,
-}
-_BOOL_FOLD = {
-    _O.SUM: np.logical_or, _O.MAX: np.logical_or, _O.BOR: np.logical_or,
-    _O.PRODUCT: np.logical_and, _O.MIN: np.logical_and, _O.BAND: np.logical_and,
-    _O.BXOR: np.logical_xor,
-}
-
-
-def reference_reduce(inputs, dtype, op, world_size, premul=PREMUL):
-    """op over `inputs` (one 1-D array per rank, in rank order) with the engine's arithmetic."""
-    op = ReduceOp(op)
-    if dtype == "bool":
-        acc = inputs[0].copy()
-        for x in inputs[1:]:
-            acc = _BOOL_FOLD[op](acc, x)
-        return acc
-    if dtype == "float16":
-        xs, scalar = [x.astype(np.float32) for x in inputs], np.float32
-    elif dtype == "bfloat16":
-        xs, scalar = [_bf16_widen(x) for x in inputs], np.float32
-    else:
-        xs, scalar = list(inputs), np.dtype(dtype).type
-    if op == _O.PREMUL_SUM:
-        xs = [x * scalar(premul) for x in xs]
-    acc = xs[0].copy()
-    for x in xs[1:]:
-        acc = _FOLD[op](acc, x)
-    if op == _O.AVG and world_size != 1:
-        acc = acc * scalar(1.0 / world_size)
-    if dtype == "float16":
-        return acc.astype(np.float16)  # IEEE conversion: round to nearest even, once
-    if dtype == "bfloat16":
-        return bf16_rne(acc)
-    return acc.astype(dtype, copy=False)
-
-
 # ------------------------------------------------------------------------------- layouts
 
 class Placed:
@@ -260,7 +208,7 @@ def digest(*arrays):
 
 def _show(x, dtype):
     if dtype == "bfloat16":
-        return f"bf16 0x{int(x):04x} ({float(_bf16_widen(np.array([x]))[0])!r})"
+        return f"bf16 0x{int(x):04x} ({float(bf16_widen(np.array([x]))[0])!r})"
     return repr(x)
 
 

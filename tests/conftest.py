@@ -16,9 +16,8 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import harness  # noqa: E402
+from support import devshm  # noqa: E402
 
-SHM_DIR = "/dev/shm"
-SEGMENT_PREFIX = "shmcoll-"
 DEFAULT_SEED = 20240611
 
 
@@ -36,65 +35,23 @@ def pytest_sessionfinish(session, exitstatus):
 
 # ------------------------------------------------------------------------ /dev/shm leaks
 
-def _shm_entries():
-    try:
-        return set(os.listdir(SHM_DIR))
-    except OSError:
-        return set()
-
-
-def _owner_pid(name):
-    try:
-        return int(name.rsplit("-", 1)[1])
-    except (IndexError, ValueError):
-        return None
-
-
-def _descendants(root):
-    """Live pids whose parent chain reaches `root` (from /proc)."""
-    parent = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    stat = f.read()
-                parent[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-    found = set()
-    for pid in parent:
-        p, hops = pid, 0
-        while p in parent and p > 1 and hops < 64:
-            if parent[p] == root:
-                found.add(pid)
-                break
-            p, hops = parent[p], hops + 1
-    return found
-
-
-def _unlink(name):
-    try:
-        os.unlink(os.path.join(SHM_DIR, name))
-    except OSError:
-        pass
-
-
 @pytest.fixture(autouse=True)
 def no_shm_leaks(request):
     """Fail a test that leaves a shmcoll-* segment of ours in /dev/shm."""
-    before = _shm_entries()
+    before = devshm.listing()
     yield
-    new = _shm_entries() - before
+    new = devshm.listing() - before
     if not new:
         return
-    ours = {os.getpid(), *harness.our_pids()} | _descendants(os.getpid())
-    leaked = sorted(n for n in new if n.startswith(SEGMENT_PREFIX) and _owner_pid(n) in ours)
+    ours = {os.getpid(), *harness.our_pids()} | devshm.descendants(os.getpid())
+    leaked = sorted(n for n in new
+                    if n.startswith(devshm.SEGMENT_PREFIX) and devshm.owner_pid(n) in ours)
     others = sorted(new - set(leaked))
     if others:
         warnings.warn(f"new /dev/shm entries during {request.node.nodeid} (not attributed to "
                       f"this test; other jobs share the machine): {others}")
     for name in leaked:
-        _unlink(name)
+        devshm.unlink(name)
     assert not leaked, f"test leaked shared-memory segments (now unlinked): {leaked}"
 
 

@@ -305,7 +305,7 @@ def check_monitored_barrier(rank, world_size, nodes):
     other nodes are alive): passes when every rank comes; with a rank of another node 1 s
     late and a 0.3 s timeout, rank 0 names it and every rank raises; the group goes on.
     (dist.monitored_barrier admits only backend "gloo" by name: the ProcessGroup's own
-    method, which it calls, is called directly, as tests/test_gloo_seeds.py does.)"""
+    method, which it calls, is called directly, as tests/test_gloo_seeds_lifecycle.py does.)"""
     import datetime
     import time
     pg = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))

@@ -1,4 +1,4 @@
-"""Helpers for tests/test_gloo_seeds.py: gloo-seed style assertions inside rank processes.
+"""Helpers for tests/test_gloo_seeds_*.py: gloo-seed style assertions inside rank processes.
 
 The seeds (../shared/seeds/000, test_c10d_gloo.py::ProcessGroupGlooTest) run one process
 per rank with MultiProcessTestCase; here a job function runs on every rank of the shared
@@ -9,6 +9,9 @@ harness pool (harness.run_ranks) and uses these helpers:
   `dist.barrier(group=pg)`), `init()` = `dist.init_process_group("shm", ...)`; every group
   made is shut down (and the default group destroyed) by `close()`, so a pooled worker
   starts the next job clean.
+* `run_job(fn)`: `fn` on WS ranks of the harness pool, SEED_JOB_TIMEOUT (240 s) by default.
+  A test runs one job that batches many seed checks, so the spawn/rendezvous cost is paid once
+  per batch; WS = 4 like MultiProcessTestCase's default (DEFAULT_WORLD_SIZE) unless noted.
 * `assert_equal`, `raises(exc, regex)`: assertEqual / assertRaisesRegex equivalents.
 * Test-case generators copied from the seed (simple_reduce_tests & co) and from
   torch.testing._internal.common_distributed (simple_sparse_reduce_tests).
@@ -25,9 +28,21 @@ from functools import partial, reduce
 import torch
 import torch.distributed as dist
 
-__all__ = ["Ranks", "ranks", "assert_equal", "raises", "simple_reduce_tests",
-           "simple_coalesced_reduce_tests", "simple_multi_input_reduce_tests",
+import harness
+
+__all__ = ["WS", "JOB_TIMEOUT_S", "run_job", "Ranks", "ranks", "assert_equal", "raises",
+           "simple_reduce_tests", "simple_coalesced_reduce_tests",
+           "simple_multi_input_reduce_tests",
            "simple_sparse_reduce_tests"]
+
+
+WS = 4
+JOB_TIMEOUT_S = int(os.environ.get("SEED_JOB_TIMEOUT", 240))
+
+
+def run_job(fn, world_size=WS, timeout_s=JOB_TIMEOUT_S, args=(), env=None):
+    """`fn(rank, world_size, store, *args)` on every rank of the harness pool."""
+    return harness.run_ranks(fn, world_size, timeout_s=timeout_s, args=args, env=env)
 
 
 class Ranks:

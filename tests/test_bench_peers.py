@@ -16,6 +16,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import bench, deepspeed_peer  # noqa: E402
+from support import devshm  # noqa: E402
 
 MPI_WHY = bench.mpi_unavailable()
 needs_mpi = pytest.mark.skipif(MPI_WHY is not None, reason=f"mpi4py peer unavailable: {MPI_WHY}")
@@ -199,7 +200,7 @@ def test_mpi4py_corrupted_result_is_detected(tmp_path):
 # DeepSpeed
 # ---------------------------------------------------------------------------------------
 def _deepspeed_segments():
-    return {n for n in os.listdir("/dev/shm") if n.startswith("deepspeed_allreduce_buffer")}
+    return {n for n in devshm.listing() if n.startswith("deepspeed_allreduce_buffer")}
 
 
 @pytest.mark.timeout(120)

@@ -19,11 +19,13 @@ import torch.distributed as dist
 
 import harness
 import test_torch_backend as tb
+import test_torch_backend_pg as tbpg
 from cuda_ipc import tiers
 from cuda_ipc.device import DeviceError, at_or_past, word_add
 from cuda_ipc.reduce import reduce_into
 from shmcoll import config, kernels
 from shmcoll.ops import DTYPES, ReduceOp, reduce_spec
+from support.torch_reference import ALL_DTYPES, assert_same
 
 SIM = {"SHMCOLL_CUDA_SIM": "inline"}
 JOB_TIMEOUT_S = tb.JOB_TIMEOUT_S
@@ -218,15 +220,16 @@ def test_dist_collectives_on_the_device_path(world_size):
     device slots so that messages are chunked and slots reused."""
     assert all(harness.run_torch_ranks(
         _on_device_path, world_size, "shm", JOB_TIMEOUT_S,
-        args=(tb._dist_sweep, tb.ALL_DTYPES + [torch.uint16]),
+        args=(tb._dist_sweep, ALL_DTYPES + [torch.uint16]),
         env=_sim_env(SHMCOLL_CUDA_SLOT_BYTES=4096)))
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("job,world_size", [
-    (tb._all_ops, 3), (tb._pg_direct, 2), (tb._strided, 2), (tb._strided, 3), (tb._lists, 2),
-    (tb._every_dtype, 2)], ids=["ops", "pg_object", "strided2", "strided3", "lists", "dtypes"])
+    (tb._all_ops, 3), (tbpg._pg_direct, 2), (tbpg._strided, 2), (tbpg._strided, 3),
+    (tbpg._lists, 2), (tb._every_dtype, 2)],
+    ids=["ops", "pg_object", "strided2", "strided3", "lists", "dtypes"])
 def test_torch_surface_on_the_device_path(job, world_size):
     assert all(harness.run_torch_ranks(_on_device_path, world_size, "shm", JOB_TIMEOUT_S,
                                        args=(job,), env=_sim_env()))
@@ -236,7 +239,7 @@ def test_torch_surface_on_the_device_path(job, world_size):
 @pytest.mark.timeout(600)
 def test_async_ops_and_futures_on_the_device_path():
     assert all(harness.run_torch_ranks(_on_device_path, 2, "shm", JOB_TIMEOUT_S,
-                                       args=(tb._async_many, 100), env=_sim_env()))
+                                       args=(tbpg._async_many, 100), env=_sim_env()))
 
 
 def _under_a_default_device(rank, ws):
@@ -315,23 +318,23 @@ def _large(rank, ws):
         x = torch.arange(n, dtype=torch.int64) % 13
         t = (x + rank).to(dtype)
         dist.all_reduce(t)
-        tb._eq(t, (x * ws + sum(range(ws))).to(dtype), f"all_reduce {dtype}")
+        assert_same(t, (x * ws + sum(range(ws))).to(dtype), f"all_reduce {dtype}")
     blocks = torch.arange(ws * n, dtype=torch.float32) % 7 + rank
     out = torch.empty(n)
     dist.reduce_scatter_tensor(out, blocks)
     want = (torch.arange(ws * n, dtype=torch.float32) % 7)[rank * n:(rank + 1) * n] * ws \
         + sum(range(ws))
-    tb._eq(out, want, "reduce_scatter_tensor")
+    assert_same(out, want, "reduce_scatter_tensor")
     gathered = torch.empty(ws * n, dtype=torch.int16)
     dist.all_gather_into_tensor(gathered, torch.full((n,), rank, dtype=torch.int16))
-    tb._eq(gathered, torch.arange(ws, dtype=torch.int16).repeat_interleave(n), "all_gather")
+    assert_same(gathered, torch.arange(ws, dtype=torch.int16).repeat_interleave(n), "all_gather")
     sends = [1000 * (rank + 1) + 37 * j for j in range(ws)]
     recvs = [1000 * (j + 1) + 37 * rank for j in range(ws)]
     inp = torch.cat([torch.full((s,), float(rank * 10 + j)) for j, s in enumerate(sends)])
     out = torch.empty(sum(recvs))
     dist.all_to_all_single(out, inp, recvs, sends)
     want = torch.cat([torch.full((r,), float(j * 10 + rank)) for j, r in enumerate(recvs)])
-    tb._eq(out, want, "all_to_all_single uneven")
+    assert_same(out, want, "all_to_all_single uneven")
     return True
 
 

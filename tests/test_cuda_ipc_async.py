@@ -16,7 +16,8 @@ import time
 import pytest
 
 import harness
-from _ranks import Job, shm_entries, new_foreign_entries
+from _ranks import Job
+from support.devshm import new_foreign_entries, shm_entries
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 

@@ -22,7 +22,10 @@ import torch
 
 import harness
 import test_torch_backend as tb
-from _ranks import Job, new_foreign_entries, shm_entries
+import test_torch_backend_pg as tbpg
+from _ranks import Job
+from support.devshm import new_foreign_entries, shm_entries
+from support.torch_reference import ALL_DTYPES, assert_same
 
 JOB_TIMEOUT_S = float(os.environ.get("SHMCOLL_GPU_JOB_TIMEOUT_S", "300"))
 TEST_TIMEOUT_S = float(os.environ.get("SHMCOLL_GPU_TEST_TIMEOUT_S", "900"))
@@ -39,7 +42,7 @@ pytestmark = [pytest.mark.cuda, pytest.mark.multiprocess, pytest.mark.timeout(TE
                                  reason="needs a CUDA GPU (run scripts/gpu_check.sh on one)")]
 
 # uint16 has too few CUDA kernels for the sweep's reference arithmetic
-GPU_DTYPES = [d for d in tb.ALL_DTYPES if d != torch.uint16]
+GPU_DTYPES = [d for d in ALL_DTYPES if d != torch.uint16]
 
 
 def _on_gpu(rank, ws, fn, *args):
@@ -67,13 +70,13 @@ def _smoke(rank, ws):
         x = torch.arange(n, dtype=torch.int64) % 7
         t = (x + rank).to(dtype)
         dist.all_reduce(t)
-        tb._eq(t, (x * ws + sum(range(ws))).to(dtype), f"all_reduce {dtype} n={n}")
+        assert_same(t, (x * ws + sum(range(ws))).to(dtype), f"all_reduce {dtype} n={n}")
     b = torch.full((1000,), float(rank))
     dist.broadcast(b, 1)
-    tb._eq(b, torch.full((1000,), 1.0), "broadcast")
+    assert_same(b, torch.full((1000,), 1.0), "broadcast")
     out = torch.empty(ws * 3)
     dist.all_gather_into_tensor(out, torch.full((3,), float(rank)))
-    tb._eq(out, torch.arange(ws, dtype=torch.float32).repeat_interleave(3), "all_gather")
+    assert_same(out, torch.arange(ws, dtype=torch.float32).repeat_interleave(3), "all_gather")
     torch.cuda.synchronize()
     return dist.group.WORLD._device.dg.tier
 
@@ -92,12 +95,12 @@ def test_every_collective_and_dtype_on_one_gpu(world_size):
                                        args=(tb._dist_sweep, GPU_DTYPES)))
 
 
-@pytest.mark.parametrize("job,ws", [(tb._all_ops, 3), (tb._pg_direct, 2), (tb._strided, 2),
-                                    (tb._lists, 2), (tb._every_dtype, 2),
-                                    (tb._async_many, 2)],
+@pytest.mark.parametrize("job,ws", [(tb._all_ops, 3), (tbpg._pg_direct, 2), (tbpg._strided, 2),
+                                    (tbpg._lists, 2), (tb._every_dtype, 2),
+                                    (tbpg._async_many, 2)],
                          ids=["ops", "pg_object", "strided", "lists", "dtypes", "async"])
 def test_torch_surface_on_gpu(job, ws):
-    args = (job, 100) if job is tb._async_many else (job,)
+    args = (job, 100) if job is tbpg._async_many else (job,)
     assert all(harness.run_torch_ranks(_on_gpu, ws, "shm", JOB_TIMEOUT_S, args=args))
 
 

@@ -4,8 +4,8 @@ Hypothesis draws a program (collective, dtype, element count -- often beyond one
 slots are 4 KiB here --, reduce op, root, subgroup, strided views, uneven splits, per-op
 data seed); every rank receives the same program, builds every rank's inputs from the seeds,
 runs its part on the world group or a lazily created subgroup, and compares its results
-with the numpy reference model in _ranks.py (exact, except AVG). The slow variant also runs
-long programs that every rank draws itself from a shared seed.
+with the numpy reference model in _scenarios_fuzz.py (exact, except AVG). The slow variant
+also runs long programs that every rank draws itself from a shared seed.
 
 Guards: any wrong byte, lost chunk, slot-reuse race, mismatch false positive, subgroup
 cross-talk or hang (per-op deadline) in the engine's algorithms and protocol.
@@ -17,7 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from _ranks import BITWISE, FUZZ_DTYPES, FUZZ_KINDS, REDUCING, Job, ops_for
+from _ranks import Job
+from _scenarios_fuzz import BITWISE, FUZZ_DTYPES, FUZZ_KINDS, REDUCING, ops_for
 
 pytestmark = [pytest.mark.multiprocess]
 
@@ -175,9 +176,10 @@ def test_reference_model_sanity():
     """The reference the fuzz trusts: bf16 rounding and bitwise ops on known values."""
     import numpy as np
 
-    from _ranks import _bf16_to_f32, _f32_to_bf16, make_input, reference_reduce
+    from _scenarios_fuzz import make_input, reference_reduce
+    from support.reference import bf16_rne, bf16_widen
     x = np.array([1.0, 3.0, -2.5, 256.0, 257.0], np.float32)
-    assert np.array_equal(_bf16_to_f32(_f32_to_bf16(x)), [1.0, 3.0, -2.5, 256.0, 256.0])
+    assert np.array_equal(bf16_widen(bf16_rne(x)), [1.0, 3.0, -2.5, 256.0, 256.0])
     a, b = make_input(1, 0, "int32", 64, True), make_input(1, 1, "int32", 64, True)
     assert np.array_equal(reference_reduce([a, b], "int32", "BXOR"), a ^ b)
     assert BITWISE == ("BAND", "BOR", "BXOR")
@@ -198,7 +200,7 @@ class _DoNothingGroup:
 def test_fuzz_checker_catches_wrong_results(kind):
     """The fuzz is only as good as its checker: a group that moves nothing must be caught
     for every collective kind."""
-    from _ranks import run_fuzz_op
+    from _scenarios_fuzz import run_fuzz_op
     op = {"kind": kind, "dtype": "float32", "count": 5, "root": 1 if kind == "broadcast" else 0,
           "seed": 3, "op": "SUM", "sizes": None, "matrix": [[3, 4], [5, 6]]}
     assert run_fuzz_op(_DoNothingGroup(), op, (0, 1)), kind

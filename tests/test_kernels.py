@@ -10,6 +10,7 @@ from shmcoll.kernels import (
     OP_BAND, OP_BOR, OP_BXOR, OP_MAX, OP_MIN, OP_PRODUCT, OP_SUM,
     bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, reduce_into, warm_up,
 )
+from support.reference import bf16_rne, bf16_widen
 
 CASES = [
     ("int", np.int8), ("int", np.uint8), ("int", np.int16), ("int", np.int32),
@@ -33,19 +34,6 @@ SCALED_KINDS = [c for c in CASES if c[0] in ("float", "complex", "float16", "bfl
 
 def addrs(arrays):
     return np.array([a.ctypes.data for a in arrays], np.int64)
-
-
-def bf16_rne(f32):
-    """float32 -> bfloat16 bits, RNE in numpy integer arithmetic, NaN kept (quieted)."""
-    x = np.ascontiguousarray(f32, np.float32).view(np.uint32).astype(np.uint64)
-    r = (x + 0x7FFF + ((x >> 16) & 1)) >> 16
-    nan = np.isnan(f32)
-    r[nan] = (x[nan] >> 16) | 0x40
-    return r.astype(np.uint16)
-
-
-def bf16_widen(u):
-    return (u.astype(np.uint32) << 16).view(np.float32)
 
 
 def make_src(kind, dt, n, rng, op):

@@ -10,7 +10,8 @@ bounds beyond "well before the group timeout".
 
 import pytest
 
-from _ranks import Job, shm_entries
+from _ranks import Job
+from support.devshm import shm_entries
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 

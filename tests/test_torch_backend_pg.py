@@ -1,0 +1,351 @@
+"""torch.distributed with backend "shm", through the ProcessGroup object (Work / Future
+semantics as ProcessGroupGloo): strided and 0-d tensors, multi-tensor lists, hundreds of async
+ops in flight, errors at call and in the future. dist.* and rendezvous: test_torch_backend.py.
+
+Inputs are small integers (exact in every dtype), so expected values are computed with
+plain torch arithmetic (support/torch_reference.py); the engine-level tests (cases.py) cover
+rounding bit for bit.
+"""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import harness
+from support.torch_reference import assert_same, small_ints, sum_of, world_pg
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.torch, pytest.mark.timeout(600)]
+
+JOB_TIMEOUT_S = 180
+SENTINEL = 77
+
+
+# -------------------------------------------------------------- the ProcessGroup object
+
+def _check_work(work, expected_value, what):
+    work.wait()
+    assert work.is_completed(), what
+    fut = work.get_future()
+    value = fut.wait()
+    assert fut.done(), what
+    for got, exp in zip(_flatten(fut.value()), _flatten(expected_value)):
+        assert got is exp or torch.equal(got, exp), f"{what}: future value {got} vs {exp}"
+    assert len(_flatten(value)) == len(_flatten(expected_value)), f"{what}: {value}"
+
+
+def _flatten(x):
+    if isinstance(x, torch.Tensor):
+        return [x]
+    return [t for item in x for t in _flatten(item)]
+
+
+def _pg_direct(rank, ws):
+    pg = world_pg()
+    n = 6
+    f32 = torch.float32
+    inputs = [small_ints(r, n, f32) for r in range(ws)]
+
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.SUM
+    t = inputs[rank].clone()
+    work = pg.allreduce([t], opts)
+    _check_work(work, [t], "allreduce")
+    assert_same(t, sum_of(inputs), "allreduce")
+
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor = ws - 1, 0
+    t = inputs[rank].clone()
+    _check_work(pg.broadcast([t], opts), [t], "broadcast")
+    assert_same(t, inputs[ws - 1], "broadcast")
+
+    opts = dist.ReduceOptions()
+    opts.rootRank, opts.reduceOp = 0, dist.ReduceOp.MAX
+    t = inputs[rank].clone()
+    _check_work(pg.reduce([t], opts), [t], "reduce")
+    assert_same(t, torch.stack(inputs).max(0).values if rank == 0 else inputs[rank], "reduce")
+
+    outs = [[torch.empty(n) for _ in range(ws)]]
+    _check_work(pg.allgather(outs, [inputs[rank]]), outs[0], "allgather")
+    for r in range(ws):
+        assert_same(outs[0][r], inputs[r], "allgather")
+
+    out = torch.empty(ws * n)
+    _check_work(pg._allgather_base(out, inputs[rank]), [out], "_allgather_base")
+    assert_same(out, torch.cat(inputs), "_allgather_base")
+
+    out = torch.empty(n)
+    opts = dist.ReduceScatterOptions()
+    opts.reduceOp = dist.ReduceOp.SUM
+    _check_work(pg.reduce_scatter([out], [[small_ints(rank, n, f32, j) for j in range(ws)]], opts),
+                [out], "reduce_scatter")
+    assert_same(out, sum_of([small_ints(r, n, f32, rank) for r in range(ws)]), "reduce_scatter")
+
+    out = torch.empty(n)
+    _check_work(pg._reduce_scatter_base(out, torch.cat([small_ints(rank, n, f32, j)
+                                                        for j in range(ws)]), opts),
+                [out], "_reduce_scatter_base")
+    assert_same(out, sum_of([small_ints(r, n, f32, rank) for r in range(ws)]),
+                "_reduce_scatter_base")
+
+    opts = dist.GatherOptions()
+    opts.rootRank = 0
+    outs = [[torch.empty(n) for _ in range(ws)]] if rank == 0 else []
+    work = pg.gather(outs, [inputs[rank]], opts)
+    _check_work(work, outs[0] if rank == 0 else [], "gather")
+    if rank == 0:
+        for r in range(ws):
+            assert_same(outs[0][r], inputs[r], "gather")
+
+    opts = dist.ScatterOptions()
+    opts.rootRank = ws - 1
+    out = torch.empty(n)
+    pieces = [[small_ints(ws - 1, n, f32, j) for j in range(ws)]] if rank == ws - 1 else []
+    _check_work(pg.scatter([out], pieces, opts), [out], "scatter")
+    assert_same(out, small_ints(ws - 1, n, f32, rank), "scatter")
+
+    outs = [torch.empty(n) for _ in range(ws)]
+    _check_work(pg.alltoall(outs, [small_ints(rank, n, f32, j) for j in range(ws)],
+                            dist.AllToAllOptions()), outs, "alltoall")
+    for r in range(ws):
+        assert_same(outs[r], small_ints(r, n, f32, rank), "alltoall")
+
+    out = torch.empty(ws * n)
+    _check_work(pg.alltoall_base(out, torch.cat([small_ints(rank, n, f32, j) for j in range(ws)]),
+                                 [], [], dist.AllToAllOptions()), [out], "alltoall_base")
+    assert_same(out, torch.cat([small_ints(r, n, f32, rank) for r in range(ws)]), "alltoall_base")
+
+    work = pg.barrier(dist.BarrierOptions())
+    work.wait()
+    assert work.is_completed()
+    return True
+
+
+def test_process_group_object():
+    assert all(harness.run_torch_ranks(_pg_direct, 2, "shm", JOB_TIMEOUT_S))
+
+
+# ------------------------------------------------------------------ strided tensors
+
+def _strided(rank, ws):
+    n = 9
+    # a column of a row-major matrix: stride 3, the rest of the matrix is a sentinel
+    base = torch.full((n, 3), SENTINEL, dtype=torch.float32)
+    t = base[:, 1]
+    t.copy_(small_ints(rank, n, torch.float32))
+    dist.all_reduce(t)
+    assert_same(t, sum_of([small_ints(r, n, torch.float32) for r in range(ws)]),
+                "all_reduce (strided)")
+    assert (base[:, 0] == SENTINEL).all() and (base[:, 2] == SENTINEL).all(), base
+
+    base = torch.full((4, 6), SENTINEL, dtype=torch.int64)
+    t = base[:, ::2].t()  # 3 x 4, doubly strided
+    t.copy_(small_ints(rank, 12, torch.int64).view(3, 4))
+    dist.broadcast(t, src=0)
+    assert_same(t, small_ints(0, 12, torch.int64).view(3, 4), "broadcast (strided)")
+    assert (base[:, 1::2] == SENTINEL).all(), base
+
+    bases = [torch.full((n, 2), SENTINEL, dtype=torch.bfloat16) for _ in range(ws)]
+    outs = [b[:, 0] for b in bases]
+    src = torch.full((n, 2), 0, dtype=torch.bfloat16)[:, 1]
+    src.copy_(small_ints(rank, n, torch.bfloat16))
+    dist.all_gather(outs, src)
+    for r in range(ws):
+        assert_same(outs[r], small_ints(r, n, torch.bfloat16), "all_gather (strided)")
+        assert (bases[r][:, 1] == SENTINEL).all()
+
+    base = torch.full((n, 2), SENTINEL, dtype=torch.float64)
+    out = base[:, 1]
+    dist.reduce_scatter(out, [small_ints(rank, n, torch.float64, j) for j in range(ws)])
+    assert_same(out, sum_of([small_ints(r, n, torch.float64, rank) for r in range(ws)]),
+        "reduce_scatter (strided)")
+    assert (base[:, 0] == SENTINEL).all()
+
+    base = torch.full((ws * n, 2), SENTINEL, dtype=torch.float32)
+    out = base[:, 0]
+    dist.all_gather_into_tensor(out, small_ints(rank, n, torch.float32))
+    assert_same(out, torch.cat([small_ints(r, n, torch.float32) for r in range(ws)]),
+        "all_gather_into_tensor (strided output)")
+    assert (base[:, 1] == SENTINEL).all()
+
+    base = torch.full((ws * n, 2), SENTINEL, dtype=torch.int32)
+    src = base[:, 1]
+    src.copy_(torch.cat([small_ints(rank, n, torch.int32, j) for j in range(ws)]))
+    out = torch.empty(n, dtype=torch.int32)
+    dist.reduce_scatter_tensor(out, src)
+    assert_same(out, sum_of([small_ints(r, n, torch.int32, rank) for r in range(ws)]),
+        "reduce_scatter_tensor (strided input)")
+
+    base = torch.full((3, 4 * ws), SENTINEL, dtype=torch.float64)
+    out = base[:, ::2].t()  # (2 * ws) x 3, doubly strided (gloo writes outside this view)
+    dist.all_to_all_single(out, small_ints(rank, 6 * ws, torch.float64).view(2 * ws, 3))
+    blocks = [small_ints(r, 6 * ws, torch.float64).view(2 * ws, 3) for r in range(ws)]
+    expected = torch.cat([blk[2 * rank:2 * rank + 2] for blk in blocks])
+    assert_same(out, expected, "all_to_all_single (strided output)")
+    assert (base[:, 1::2] == SENTINEL).all(), base
+
+    t = torch.tensor(float(rank + 1))  # 0-d
+    dist.all_reduce(t)
+    assert t.dim() == 0 and t.item() == ws * (ws + 1) / 2
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_strided_and_0d_tensors(world_size):
+    assert all(harness.run_torch_ranks(_strided, world_size, "shm", JOB_TIMEOUT_S))
+
+
+# -------------------------------------------------------------- multi-tensor lists (gloo)
+
+def _lists(rank, ws):
+    pg = world_pg()
+    a, b = small_ints(rank, 5, torch.float32, 0), small_ints(rank, 5, torch.float32, 1)
+    pg.allreduce([a, b], dist.AllreduceOptions()).wait()
+    expected = sum_of([small_ints(r, 5, torch.float32, s) for r in range(ws) for s in (0, 1)])
+    assert_same(a, expected, "allreduce [t1, t2] (first)")
+    assert_same(b, expected, "allreduce [t1, t2] (second)")
+
+    a, b = small_ints(rank, 5, torch.int32, 0), small_ints(rank, 5, torch.int32, 1)
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor = 1, 1
+    pg.broadcast([a, b], opts).wait()
+    assert_same(a, small_ints(1, 5, torch.int32, 1), "broadcast [t1, t2] rootTensor=1 (first)")
+    assert_same(b, small_ints(1, 5, torch.int32, 1), "broadcast [t1, t2] rootTensor=1 (second)")
+
+    k = 2
+    inputs = [small_ints(rank, 4, torch.int16, j) for j in range(k)]
+    outs = [[torch.empty(4, dtype=torch.int16) for _ in range(ws * k)] for _ in range(k)]
+    work = pg.allgather(outs, inputs)
+    work.wait()
+    for i in range(k):  # gloo: outs[i][r * k + j] is rank r's input j
+        for r in range(ws):
+            for j in range(k):
+                assert_same(outs[i][r * k + j], small_ints(r, 4, torch.int16, j),
+                            f"allgather[{i}][{r},{j}]")
+    value = work.get_future().wait()
+    assert len(value) == k and all(len(v) == ws * k for v in value), value
+    return True
+
+
+def test_multi_tensor_lists():
+    assert all(harness.run_torch_ranks(_lists, 2, "shm", JOB_TIMEOUT_S))
+
+
+# ------------------------------------------------------------------- async in flight
+
+def _async_many(rank, ws, count):
+    done = []
+    works, tensors, expected = [], [], []
+    for i in range(count):
+        if i % 3 == 2:
+            t = torch.full((3,), float(rank * 1000 + i))
+            works.append(dist.broadcast(t, src=i % ws, async_op=True))
+            expected.append(torch.full((3,), float((i % ws) * 1000 + i)))
+        else:
+            t = torch.full((i % 5 + 1,), float(rank + i))
+            works.append(dist.all_reduce(t, async_op=True))
+            expected.append(torch.full((i % 5 + 1,), float(sum(r + i for r in range(ws)))))
+        tensors.append(t)
+        works[-1].get_future().then(lambda fut, i=i: done.append(i))
+    for w in reversed(works):  # waiting on the last one first must not deadlock
+        w.wait()
+    assert all(w.is_completed() for w in works)
+    torch.futures.wait_all([w.get_future() for w in works])
+    for i, (t, e) in enumerate(zip(tensors, expected)):
+        assert_same(t, e, f"async op {i}")
+    deadline = time.monotonic() + 60
+    while len(done) < count and time.monotonic() < deadline:
+        time.sleep(0.01)  # then-callbacks may run just after wait() returns
+    if done != list(range(count)):
+        first = next((k for k, (a, b) in enumerate(zip(done, range(count))) if a != b),
+                     min(len(done), count))
+        raise AssertionError(f"async ops did not complete in issue order: {len(done)} of "
+                             f"{count} callbacks ran, first out of order at {first}: "
+                             f"{done[max(0, first - 3):first + 5]}")
+    return True
+
+
+def test_hundreds_of_async_ops_in_issue_order():
+    assert all(harness.run_torch_ranks(_async_many, 2, "shm", JOB_TIMEOUT_S, args=(300,)))
+
+
+def _future_done_after_wait(rank, ws, count):
+    late = []
+    for i in range(count):
+        work = dist.all_reduce(torch.full((2,), float(rank)), async_op=True)
+        if i % 2:
+            time.sleep(0.001)  # let the executor thread, not this one, run some of them
+        work.wait()
+        if not work.get_future().done():
+            late.append(i)
+    return late
+
+
+def test_future_is_complete_when_wait_returns():
+    """Regression: Job.run used to set the Work's event before the future's result, so
+    get_future() could still be pending right after wait() (gloo completes it first)."""
+    late = harness.run_torch_ranks(_future_done_after_wait, 2, "shm", JOB_TIMEOUT_S,
+                                   args=(200,))
+    assert late == [[], []], f"futures still pending after wait(): {late}"
+
+
+# --------------------------------------------------------------------------- errors
+
+def _errors(rank, ws):
+    pg = world_pg()
+    # An unsupported (op, dtype) raises on the calling thread, before any communication,
+    # and consumes nothing: the next collective still matches on every rank.
+    for dtype, op in ((torch.bool, dist.ReduceOp.AVG), (torch.complex64, dist.ReduceOp.MAX),
+                      (torch.float32, dist.ReduceOp.BAND), (torch.int32, dist.ReduceOp.AVG)):
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = op
+        with_error = None
+        try:
+            pg.allreduce([torch.ones(3, dtype=dtype)], opts)
+        except (RuntimeError, TypeError, ValueError) as e:
+            with_error = e
+        assert with_error is not None, f"allreduce({dtype}, {op}) did not raise at the call"
+        try:
+            dist.all_reduce(torch.ones(3, dtype=dtype), op=op)
+        except (RuntimeError, TypeError, ValueError):
+            pass
+        else:
+            raise AssertionError(f"dist.all_reduce({dtype}, {op}) did not raise")
+    with_error = None
+    try:
+        dist.all_reduce(torch.ones(3, dtype=torch.uint32))  # no reduction for this dtype
+    except (RuntimeError, TypeError, ValueError) as e:
+        with_error = e
+    assert with_error is not None, "all_reduce(uint32) did not raise"
+
+    # A failure inside the operation (ranks disagree on the shape) surfaces through wait()
+    # and through the future, as a RuntimeError, on every rank.
+    t = torch.ones(4 + rank)
+    work = dist.all_reduce(t, async_op=True)
+    fut = work.get_future()
+    raised = None
+    try:
+        work.wait()
+    except RuntimeError as e:
+        raised = e
+    assert raised is not None, "mismatched all_reduce did not fail"
+    assert work.is_completed()
+    try:
+        fut.wait()
+    except RuntimeError:
+        pass
+    else:
+        raise AssertionError("the future of a failed all_reduce did not raise")
+    assert work.exception() is not None
+
+    # the group is still usable and in step
+    t = torch.full((3,), float(rank))
+    dist.all_reduce(t)
+    assert_same(t, torch.full((3,), float(sum(range(ws)))), "all_reduce after errors")
+    return str(raised)
+
+
+def test_errors_at_call_and_in_future():
+    messages = harness.run_torch_ranks(_errors, 2, "shm", JOB_TIMEOUT_S)
+    assert all("all_reduce" in m or "allreduce" in m for m in messages), messages
