@@ -311,27 +311,19 @@ def test_resolver_sees_relative_imports():
 
 STATE_PACKAGES = ("shmcoll", "cuda_ipc", "threaded_pg")
 # Issue 24 (one writer per piece of state) moves these last mixins out; shrink this list as
-# it does, never grow it. (file, class) -> the mixin bases it may still have:
-# - the torch adapter's method tables (torch wants ~40 methods on one class; they hold no
-#   state of their own), which remain for now;
-# - the protocol Arena's drivers and waits (protocol_drivers.py, protocol_waits.py), being
-#   split into collaborators on their own branch.
+# it does, never grow it. (file, class) -> the mixin bases it may still have: the torch
+# adapter's method tables (torch wants ~40 methods on one class; they hold no state of
+# their own), which remain for now.
 MIXIN_ALLOWED = {
     ("shmcoll/torch_backend/process_group.py", "EngineProcessGroup"): {
         "ReduceMixin", "MovementMixin", "GatherScatterMixin", "P2PMixin", "BarrierMixin"},
-    ("shmcoll/protocol.py", "Arena"): {"DriverMixin", "WaitMixin"},
 }
 # Issue 24 as well: attributes still written from more than one file; shrink it, never grow
-# it. class -> those attributes (allowed for its subclasses too):
-# - the Arena's step, slot and fingerprint state (protocol.py, protocol_drivers.py,
-#   protocol_waits.py), split into collaborators on its own branch;
-# - the adapter's monitored-barrier count (process_group.py starts it, the barriers.py
-#   method table bumps it) and the split count that ThreadedProcessGroup.split_group bumps
-#   beside EngineProcessGroup's (threaded_pg/backend.py): the adapter's own step.
+# it. class -> those attributes (allowed for its subclasses too): the adapter's
+# monitored-barrier count (process_group.py starts it, the barriers.py method table bumps
+# it) and the split count that ThreadedProcessGroup.split_group bumps beside
+# EngineProcessGroup's (threaded_pg/backend.py): the adapter's own step.
 SPLIT_WRITERS_ALLOWED = {
-    "Arena": {"_begin_step", "_deadline", "_fp_list", "_fp_pending", "_fp_unwritten",
-              "_free_at", "_known_min", "_next_slot", "_op_name", "_scratch", "_seq",
-              "_slot_at_begin", "_step", "_timeout_s"},
     "EngineProcessGroup": {"_monitored_barriers"},
     "ThreadedProcessGroup": {"_split_count"},
 }
