@@ -105,6 +105,8 @@ protocol_waits.py (PeerWatch: the wait tiers, the Python slow wait of rule 5 and
 error; it writes nothing and returns the fingerprint check's verdict).
 """
 
+import time
+
 import numpy as np
 
 from . import jit
@@ -483,15 +485,20 @@ class Arena:
         pre/post as in ops.ReduceSpec. `src` and `out` are uint8 arrays.
         Anything but a clean pass (a late peer, a mismatch, an abort) is finished by the same
         Python as the general path (_finish_wait), which owns the slow tiers and errors.
+
+        The kernel frames the collective itself (its seq and fingerprint go straight to
+        shared memory), so the Frame is opened only where Python takes over: a slot to
+        wait for, or a clean pass that did not come (one method call less per collective
+        on the latency path; nothing reads the frame between collectives).
         """
         if out is None:  # all_reduce, broadcast: typed like the gathers' for one compilation
             out = _NO_BYTES
-        frame = self.frame
-        frame.open_compiled(seq, op_name, timeout_s)  # the kernel checks the fingerprints
+        deadline = time.monotonic() + timeout_s
         clock = self._clock
         i = clock.next_slot
         publishes = root < 0 or root == self.rank  # broadcast: only the root fills a slot
         if publishes and clock.known_min < clock.free_at[i]:  # rare: a peer may still read it
+            self.frame.open_compiled(seq, op_name, timeout_s, deadline)
             self.wait_all(clock.free_at[i])
         step = clock.step + 1
         srcs = self._slot_addrs[i]
@@ -502,7 +509,8 @@ class Arena:
             return
         # The kernel posted (with the fingerprint) but did not finish: the general path's
         # state for this collective, as begin() would have left it, then its slow wait.
-        frame.reopen([seq, step - 1, *plan[:FP_WORDS - 2].tolist()], step - 1, i)
+        self.frame.reopen(seq, op_name, timeout_s, deadline,
+                          [seq, step - 1, *plan[:FP_WORDS - 2].tolist()], step - 1, i)
         self._finish_wait(step, r, True)
         _one_step_consume(mode, src, out, srcs, self.rank, root, plan[7], plan[6], pre, post)
 

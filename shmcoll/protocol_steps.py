@@ -5,7 +5,9 @@
   again (rules 2, 3 and 6 of protocol.py's docstring);
 - `Frame`: the collective in progress -- seq, name, timeout and deadline, and its
   fingerprint words, whether they are written out yet and whether the peers' are checked
-  yet (rules 1 and 4).
+  yet (rules 1 and 4). Arena.one_step's kernel frames its collective itself and opens
+  the Frame only when Python takes over (a slot to wait for, a late peer); between
+  collectives the Frame holds the last one Python framed.
 
 Neither touches shared memory: protocol.Arena moves the words and calls these to record
 what it did. Other packages read the frame through `Arena.frame` (cuda_ipc's inline
@@ -120,18 +122,24 @@ class Frame:
         self.begin_step = step
         self.slot_at_begin = next_slot
 
-    def open_compiled(self, seq, name, timeout_s):
-        """Arena.one_step: the kernel writes and checks this collective's fingerprint
-        itself, so nothing is pending unless it hands over (reopen)."""
+    def open_compiled(self, seq, name, timeout_s, deadline):
+        """Arena.one_step before its kernel, when it must wait for its slot first: the
+        kernel will write and check this collective's fingerprint itself, so nothing is
+        pending."""
         self.seq = seq
         self.name = name
         self.timeout_s = timeout_s
-        self.deadline = time.monotonic() + timeout_s
+        self.deadline = deadline
         self.pending = False
 
-    def reopen(self, fp, begin_step, slot):
-        """Arena.one_step's slow path: the state begin() would have left, the fingerprint
-        `fp` (all FP_WORDS words) already written by the kernel, its check still pending."""
+    def reopen(self, seq, name, timeout_s, deadline, fp, begin_step, slot):
+        """Arena.one_step after its kernel posted but did not finish: the state begin()
+        would have left, the fingerprint `fp` (all FP_WORDS words) already written by the
+        kernel, its check still pending."""
+        self.seq = seq
+        self.name = name
+        self.timeout_s = timeout_s
+        self.deadline = deadline
         self.fp = fp
         self.unwritten = False
         self.pending = True
