@@ -319,9 +319,9 @@ class DeviceArena:
     def _guard(self, peer, addr, target):
         """For inline streams (sim): raise instead of spinning past the deadline or on a
         lost peer; real streams are watched by the watchdog instead."""
-        host = self._host
-        name, seq = host._op_name, host._seq
-        deadline = time.monotonic() + host._timeout_s
+        frame = self._host.frame  # the host collective in progress
+        name, seq = frame.name, frame.seq
+        deadline = time.monotonic() + frame.timeout_s
 
         def guard():
             err = self.peer_failure([peer], name, seq)
@@ -330,7 +330,7 @@ class DeviceArena:
             if time.monotonic() > deadline:
                 raise CollectiveTimeoutError(
                     f"[Rank {self.rank}] {name} (cuda, seq {seq}): Timed out waiting "
-                    f"{int(round(host._timeout_s * 1000))}ms for rank {peer} (its flag is at "
+                    f"{int(round(frame.timeout_s * 1000))}ms for rank {peer} (its flag is at "
                     f"{read_word(addr)}, the stream needs {target})")
         return guard
 

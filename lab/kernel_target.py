@@ -16,9 +16,9 @@ this CPU's (above 1: slower) and the share of blocks it won.
 
 --engine: the shipped protocol kernels (one-step, streaming), as the loader picks them,
 against the same compiled for this CPU (their Python functions jitted again without a
-cache, swapped into protocol_drivers between blocks) in the same 2 rank processes of an
-engine group, Group.all_reduce of float32 on torch-allocated buffers, slowest rank per
-block; the reducer is the shipped one in both.
+cache, swapped into shmcoll.protocol, whose Arena calls them, between blocks) in the same
+2 rank processes of an engine group, Group.all_reduce of float32 on torch-allocated
+buffers, slowest rank per block; the reducer is the shipped one in both.
 
 Uses shmcoll internals (the reducers' Python bodies, the loader's cache class, the
 drivers' kernel names): a measurement tool, like the tests.
@@ -88,7 +88,7 @@ _ENGINE_RANK = r'''
 import json, os, sys, time
 import numba, torch
 import shmcoll
-from shmcoll import prebuilt, protocol_drivers as drivers
+from shmcoll import prebuilt, protocol as drivers
 rank, store, sizes, blocks, calls = sys.argv[1], sys.argv[2], *map(json.loads, sys.argv[3:6])
 rank = int(rank)
 assert prebuilt.status().path is not None, prebuilt.status().reason

@@ -94,12 +94,15 @@ notification), read on the slow path and once per collective at the fingerprint 
 Peers' regions are input, not truth: the header is validated on attach (shm.py) and
 fingerprints are compared, never used as lengths.
 
-Where the code is: this module holds the Arena's core (framing, slots, post/wait, lifecycle)
-and re-exports the names of the others: protocol_layout.py (the numbers of the layout above,
-RegionLayout, the header), protocol_kernels.py (the steps as compiled kernels, and the
-kernel sets that load them on first use), protocol_drivers.py (the Arena's compiled
-drivers: one_step, the streamed and two-shot all_reduce, single copy) and
-protocol_waits.py (the wait tiers, the Python slow wait of rule 5 and every error).
+Where the code is: this module holds the Arena (framing, slots, post/wait, the compiled
+drivers, single copy, lifecycle: one class in sections, over its views and addresses of the
+regions) and re-exports the names of the others: protocol_layout.py (the numbers of the
+layout above, RegionLayout, the header), protocol_kernels.py (the steps as compiled
+kernels, and the kernel sets that load them on first use), protocol_steps.py (the Arena's
+bookkeeping, each in an object that alone writes it: StepClock, the steps and slots of
+rules 2, 3 and 6; Frame, the collective in progress: seq, name, deadline, fingerprint) and
+protocol_waits.py (PeerWatch: the wait tiers, the Python slow wait of rule 5 and every
+error; it writes nothing and returns the fingerprint check's verdict).
 """
 
 import time
@@ -109,11 +112,14 @@ import numpy as np
 from . import jit
 from .atomics import wake_sleepers, write_release
 from .atomics import warm_up as atomics_warm_up
-from .protocol_drivers import DriverMixin
+from .errors import CollectiveMismatchError, ShmcollError
 from .protocol_kernels import (  # noqa: F401  (re-exported: tests, warmup.py, algorithms)
     _CFG_VERIFY,
     _EXCHANGE,
     _NO_BYTES,
+    _SINGLE_COPY,
+    _STREAM,
+    _TWO_SHOT,
     GIL_LEAVE_NS,
     ONE_STEP_BROADCAST,
     ONE_STEP_GATHER,
@@ -122,17 +128,28 @@ from .protocol_kernels import (  # noqa: F401  (re-exported: tests, warmup.py, a
     STREAM_GATHER,
     STREAM_REDUCE,
     STREAM_RING,
+    _consume,
     _exchange_kernel,
     _gil_enter,
     _gil_leave,
+    _one_step_consume,
+    _one_step_kernel,
+    _stream_kernel,
+    _two_shot_consume,
+    _two_shot_kernel,
     _wait_kernel,
     _warm_exchange,
+    _warm_single_copy,
+    _warm_stream,
+    _warm_two_shot,
     post_wake,
     sleep_on,
     warm_up,
     warm_up_one_step,
 )
 from .protocol_layout import (  # noqa: F401  (re-exported: shm.py, p2p.py, threaded_pg, cuda_ipc)
+    _BUF_ADDR,
+    _BUF_NBYTES,
     CTRL_LINES,
     DATA_ALIGN,
     FP_LINE0,
@@ -157,15 +174,16 @@ from .protocol_layout import (  # noqa: F401  (re-exported: shm.py, p2p.py, thre
     read_header,
     write_header,
 )
+from .protocol_steps import Frame, StepClock
 from .protocol_waits import (  # noqa: F401  (re-exported: p2p.py, shm_group.py)
     SLEEP_MAX_S,
     SLEEP_MIN_S,
     SLOW_YIELD_NS,
     SPINS,
     YIELD_NS,
-    WaitMixin,
+    PeerWatch,
 )
-from .single_copy import NONE
+from .single_copy import CMA, NONE, PIECE_NBYTES, gather_from_peers, reduce_from_peers
 
 __all__ = [
     "MAGIC",
@@ -184,11 +202,10 @@ __all__ = [
     "ONE_STEP_REDUCE_SCATTER",
 ]
 
-_FP_PAD = [[0] * (FP_WORDS - n) for n in range(FP_WORDS + 1)]
 _NO_FP = [0] * FP_WORDS
 
 
-class Arena(DriverMixin, WaitMixin):
+class Arena:
     """The seam algorithms talk to: slot views, post/wait, fingerprints, deadlines.
 
     `regions[r]` is rank r's region as a uint8 array (all mapped in this address space).
@@ -201,7 +218,15 @@ class Arena(DriverMixin, WaitMixin):
     atomics and the one-step kernel now; False: the owner does it before the first
     collective (new_shm_group: Group's kernel gate, warmup.ensure). Not thread-safe: the
     owning group runs one collective at a time.
+
+    Its state: the views and addresses of the regions (set here, never changed), the
+    rule-4 switch and the single-copy scratch. Its collaborators own the rest
+    (protocol_steps.py, protocol_waits.py): `_clock` (StepClock: my step, what every peer
+    posted, the slot rotation), `frame` (Frame: the collective in progress; read by
+    cuda_ipc) and `_watch` (PeerWatch: the slow wait and the errors).
     """
+
+    # -- state -----------------------------------------------------------------------------
 
     def __init__(self, regions, rank, layout, is_alive, describe=None, oversubscribed=False,
                  pids=None, gil_turn=None, single_copy=NONE, yield_ns=YIELD_NS,
@@ -216,7 +241,6 @@ class Arena(DriverMixin, WaitMixin):
         self.nslots = layout.nslots
         self._regions = regions
         self._is_alive = is_alive
-        self._describe = describe or (lambda fp: repr(fp))
         # Owner pid of every region, for error messages only (never trusted for anything else).
         self._pids = list(pids) if pids is not None else [_header_pid(reg) for reg in regions]
         self.single_copy = single_copy
@@ -227,19 +251,19 @@ class Arena(DriverMixin, WaitMixin):
         self._mine = ctrl[rank]
         self._posted_addr = ctrl[rank].ctypes.data + W_POSTED * LINE_WORDS * 8
         self._state_addr = ctrl[rank].ctypes.data + W_STATE * LINE_WORDS * 8
-        self._peers = [p for p in range(self.world_size) if p != rank]
+        peers = [p for p in range(self.world_size) if p != rank]
         self._peer_posted = np.array(
-            [ctrl[p].ctypes.data + W_POSTED * LINE_WORDS * 8 for p in self._peers], np.int64)
+            [ctrl[p].ctypes.data + W_POSTED * LINE_WORDS * 8 for p in peers], np.int64)
         self._posted_addrs = [c.ctypes.data + W_POSTED * LINE_WORDS * 8 for c in ctrl]
-        self._state_addrs = [c.ctypes.data + W_STATE * LINE_WORDS * 8 for c in ctrl]
-        self._seq_addrs = [c.ctypes.data + W_SEQ * LINE_WORDS * 8 for c in ctrl]
+        state_addrs = [c.ctypes.data + W_STATE * LINE_WORDS * 8 for c in ctrl]
+        seq_addrs = [c.ctypes.data + W_SEQ * LINE_WORDS * 8 for c in ctrl]
         self._peer_state = np.array(
-            [ctrl[p].ctypes.data + W_STATE * LINE_WORDS * 8 for p in self._peers], np.int64)
-        self._seq_addr = self._seq_addrs[rank]
+            [ctrl[p].ctypes.data + W_STATE * LINE_WORDS * 8 for p in peers], np.int64)
+        self._seq_addr = seq_addrs[rank]
         fp_line = [[c.ctypes.data + (FP_LINE0 + k) * LINE_NBYTES for c in ctrl]
                    for k in range(FP_RING)]
         self._fp_addrs = [line[rank] for line in fp_line]
-        self._peer_fp_addrs = [np.array([line[p] for p in self._peers], np.int64)
+        self._peer_fp_addrs = [np.array([line[p] for p in peers], np.int64)
                                for line in fp_line]
         # _slots[i][r]: rank r's slot i as uint8; _slot_addrs[i]: int64 addresses of slot i.
         self._slots = [
@@ -248,10 +272,12 @@ class Arena(DriverMixin, WaitMixin):
             for i in range(layout.nslots)]
         self._slot_addrs = [np.array([s.ctypes.data for s in row], np.int64) for row in self._slots]
         self._slot_addr_mine = [int(a[rank]) for a in self._slot_addrs]
-        self._step = int(self._mine[W_POSTED * LINE_WORDS])  # mine: only I write it
-        self._known_min = self._step  # every peer has posted at least this much
-        self._free_at = [0] * layout.nslots
-        self._next_slot = 0
+        # mine: only I write my POSTED, so my clock starts where it stands
+        self._clock = StepClock(int(self._mine[W_POSTED * LINE_WORDS]), layout.nslots)
+        self.frame = Frame()  # the collective in progress
+        self._watch = PeerWatch(rank, ctrl, self._peer_posted, self._posted_addrs,
+                                state_addrs, seq_addrs, self._pids, is_alive,
+                                describe or (lambda fp: repr(fp)))
         self._spins = 0 if oversubscribed else SPINS
         self._yield_ns = yield_ns  # the yield tier (a shorter one: shm_group.new_shm_group)
         # Ranks that are threads of one process: (address of their "Python turn" word, my
@@ -268,16 +294,6 @@ class Arena(DriverMixin, WaitMixin):
                                   + self._peer_fp_addrs, np.int64).reshape(
                                       2 + FP_RING, self.world_size - 1)
         self._verify = True
-        # per-collective state
-        self._seq = 0
-        self._op_name = "?"
-        self._fp_list = []
-        self._fp_unwritten = False
-        self._fp_pending = False
-        self._deadline = float("inf")
-        self._timeout_s = 0.0
-        self._slot_at_begin = 0
-        self._begin_step = 0
 
     @property
     def verify(self):
@@ -289,6 +305,11 @@ class Arena(DriverMixin, WaitMixin):
         self._verify = bool(on)
         self._cfg[_CFG_VERIFY] = int(self._verify)
 
+    @property
+    def step(self):
+        """My last posted step."""
+        return self._clock.step
+
     # -- collective framing ------------------------------------------------------------
 
     def begin(self, seq, op_name, fp, timeout_s):
@@ -297,41 +318,48 @@ class Arena(DriverMixin, WaitMixin):
         The fingerprint reaches shared memory with the collective's first post (post() or
         exchange()), which is all rule 1 needs: peers read it only after that post.
         """
-        self._seq = seq
-        self._op_name = op_name
-        self._timeout_s = timeout_s
-        self._deadline = time.monotonic() + timeout_s
-        fp = [seq, self._step, *map(int, fp)]
-        if len(fp) < FP_WORDS:
-            fp += _FP_PAD[len(fp)]
-        self._fp_list = fp
-        self._fp_unwritten = True
-        self._fp_pending = True
-        self._begin_step = self._step
-        self._slot_at_begin = self._next_slot
+        clock = self._clock
+        self.frame.open(seq, op_name, fp, timeout_s, clock.step, clock.next_slot)
 
     def _write_fp(self):
-        line = (FP_LINE0 + self._seq % FP_RING) * LINE_WORDS
-        self._mine[line:line + FP_WORDS] = self._fp_list
-        self._mine[W_SEQ * LINE_WORDS] = self._seq
-        self._fp_unwritten = False
+        frame = self.frame
+        line = (FP_LINE0 + frame.seq % FP_RING) * LINE_WORDS
+        self._mine[line:line + FP_WORDS] = frame.fp
+        self._mine[W_SEQ * LINE_WORDS] = frame.seq
+        frame.written()
 
-    @property
-    def step(self):
-        """My last posted step."""
-        return self._step
+    def _fp_args(self):
+        """(fingerprint words, my FP line address, peers' FP line addresses) for a kernel:
+        address 0 once the fingerprint is out (the kernel then neither writes nor checks)."""
+        frame = self.frame
+        if frame.unwritten:
+            k = frame.seq % FP_RING
+            return frame.fp, self._fp_addrs[k], self._peer_fp_addrs[k]
+        return _NO_FP, 0, self._peer_fp_addrs[0]
+
+    def _check_fingerprints(self):
+        """Rule 4 (PeerWatch gives the verdict): raise on a mismatch -- after undoing this
+        collective's slot rotation, so that the group stays usable -- or on a peer that
+        aborted at or before this collective."""
+        frame = self.frame
+        frame.checked()
+        if not self._verify:
+            return
+        error = self._watch.fingerprint_verdict(frame)
+        if error is not None:
+            if type(error) is CollectiveMismatchError:
+                self._clock.rewind(frame.slot_at_begin)
+            raise error
 
     # -- slots ---------------------------------------------------------------------------
 
     def next_slot(self):
         """Index of the slot the next chunk uses (same rotation on every rank)."""
-        i = self._next_slot
-        self._next_slot = (i + 1) % self.nslots
-        return i
+        return self._clock.take_slot()
 
     def claim(self, i):
         """My slot i as uint8, after every peer has finished reading its previous contents."""
-        self.wait_all(self._free_at[i])
+        self.wait_all(self._clock.free_at[i])
         return self._slots[i][self.rank]
 
     def slot(self, i, rank):
@@ -342,6 +370,12 @@ class Arena(DriverMixin, WaitMixin):
         """int64 addresses of slot i of ranks 0..world_size-1 (for kernels.reduce_into)."""
         return self._slot_addrs[i]
 
+    def sub_nbytes(self, itemsize, want):
+        """Sub-chunk size for the STREAM_RING sub-slots of a slot: at most `want` bytes and
+        a sub-slot, whole elements, at least one."""
+        sub = max(itemsize, min(want, self.slot_nbytes // STREAM_RING))
+        return sub - sub % itemsize
+
     # -- post / wait -----------------------------------------------------------------------
 
     def post(self, published_slot=None):
@@ -350,13 +384,13 @@ class Arena(DriverMixin, WaitMixin):
         NOTE: order matters: data and fingerprint stores precede this release store, so a
         peer that observes the new value also observes them.
         """
-        if self._fp_unwritten:
+        if self.frame.unwritten:
             self._write_fp()
-        self._step += 1
-        post_wake(self._posted_addr, self._step)
-        if published_slot is not None:
-            self._free_at[published_slot] = self._step + 1
-        return self._step
+        clock = self._clock
+        step = clock.step + 1
+        clock.posted(step, published_slot)
+        post_wake(self._posted_addr, step)
+        return step
 
     def exchange(self, i=None, src=None, byte_offset=0, nbytes=0):
         """Copy `nbytes` of 1-D array `src` from `byte_offset` into my slot i (claimed),
@@ -373,56 +407,275 @@ class Arena(DriverMixin, WaitMixin):
         else:
             src, dst = src.view(np.uint8), self._slot_addr_mine[i]  # kernels move bytes
         fp, fp_addr, peer_fp = self._fp_args()
-        step = self._step + 1
-        if i is not None:
-            self._free_at[i] = step + 1
+        clock = self._clock
+        step = clock.step + 1
         r = _exchange_kernel(src, byte_offset, nbytes, dst, fp_addr,
                              fp[0], fp[1], fp[2], fp[3], fp[4], fp[5], fp[6], fp[7],
-                             self._seq_addr, self._seq, self._posted_addr, step,
+                             self._seq_addr, self.frame.seq, self._posted_addr, step,
                              self._peer_posted, peer_fp, self._peer_state, self._spins,
                              self._yield_ns, self._state_addr, self._verify, self._gil_addr,
                              self._gil_me)
-        self._fp_unwritten = False
-        self._step = step
+        clock.posted(step, i)
+        if fp_addr:
+            self.frame.written()
         self._finish_wait(step, r, fp_addr != 0)
-
-    def _fp_args(self):
-        """(fingerprint words, my FP line address, peers' FP line addresses) for a kernel:
-        address 0 once the fingerprint is out (the kernel then neither writes nor checks)."""
-        if self._fp_unwritten:
-            k = self._seq % FP_RING
-            return self._fp_list, self._fp_addrs[k], self._peer_fp_addrs[k]
-        return _NO_FP, 0, self._peer_fp_addrs[0]
 
     def _finish_wait(self, step, r, checked):
         """After a kernel posted `step` and returned wait code r (checked: it compared the
         fingerprints): slow-wait if peers are missing, then raise what the kernel saw."""
         if r == -1:  # everyone arrived, fingerprints (if checked) match, nobody aborted
-            self._known_min = step
+            self._clock.arrived(step)
             if checked:
-                self._fp_pending = False
+                self.frame.checked()
             return
         if r >= 0 or r == -2:  # not all there within the fast tiers, or my abort word
-            self._wait_slow(step, r)
-        self._known_min = step
-        if self._fp_pending:
+            self._watch.wait(step, r, self.frame)
+        self._clock.arrived(step)
+        if self.frame.pending:
             self._check_fingerprints()  # raises on the mismatch/abort the kernel saw
 
     def wait_all(self, target=None):
         """Wait until every peer has posted >= target (default: my own step)."""
+        clock = self._clock
         if target is None:
-            target = self._step
-        if self._known_min < target:
+            target = clock.step
+        if clock.known_min < target:
             jit.once(_EXCHANGE, _warm_exchange)
             r = _wait_kernel(self._peer_posted, target, self._spins, self._yield_ns,
                              self._state_addr, self._gil_addr, self._gil_me)
             if r != -1:
-                self._wait_slow(target, r)
-            self._known_min = target
-        if self._fp_pending and target > self._begin_step:
+                self._watch.wait(target, r, self.frame)
+            clock.arrived(target)
+        frame = self.frame
+        if frame.pending and target > frame.begin_step:
             # the first wait after this collective's first post: peers' fingerprints for
             # this seq are published (claim() waits before that post do not qualify)
             self._check_fingerprints()
+
+    # -- compiled drivers --------------------------------------------------------------------
+
+    def exchange_reduce(self, i, buf, start, n, spec, sub_nbytes):
+        """buf[start:start + n] = the reduction (ops.ReduceSpec `spec`) of every rank's
+        buf[start:start + n], in rank order, through my slot i (claimed): the one-shot
+        all_reduce as one compiled call when nobody is late (see _stream)."""
+        size = buf.itemsize
+        self._stream(i, STREAM_REDUCE, buf.view(np.uint8), size, start * size, n * size,
+                     sub_nbytes, spec, _NO_BYTES)
+
+    def one_step(self, seq, op_name, mode, plan, pre, post, src, out, root, timeout_s):
+        """Collective `seq` when it is a single step through one slot, as one compiled call
+        -- begin, claim, copy-in, post, wait, fingerprint check, consume -- instead of the
+        ~6-8 us of Python between begin(), next_slot(), claim() and the exchange. Same
+        slot, step, fingerprint and stores as the general path of the same collective, so
+        a peer that takes that path (a strided array, say) matches it. The modes (see
+        algorithms.one_step_mode for when each applies):
+
+        ONE_STEP_REDUCE: all_reduce_one_shot of one sub-chunk; `src` (the bytes of a 1-D
+            contiguous array) becomes the reduction in rank order of every rank's `src`.
+        ONE_STEP_BROADCAST: broadcast_direct of one chunk; the root (rank `root`) copies
+            `src` in, every other rank copies the root's slot out into its `src`.
+        ONE_STEP_GATHER: all_gather_direct into one array, of one sub-chunk; rank j's `src`
+            lands at out[j * src.nbytes:] (uint8 arrays).
+        ONE_STEP_REDUCE_SCATTER: reduce_scatter_direct of one input array (world_size equal
+            blocks) that fits a slot; `out` (the bytes of my output, one block) becomes the
+            reduction in rank order of block[rank] of every rank's `src` (bytes too).
+
+        `plan`: int64 [collective code, dtype code, count, root, op, shape word, kernel op,
+        reducer] (fingerprint words 2-7, then the reduction: ops.ReduceSpec's op and fn);
+        pre/post as in ops.ReduceSpec. `src` and `out` are uint8 arrays.
+        Anything but a clean pass (a late peer, a mismatch, an abort) is finished by the same
+        Python as the general path (_finish_wait), which owns the slow tiers and errors.
+
+        The kernel frames the collective itself (its seq and fingerprint go straight to
+        shared memory), so the Frame is opened only where Python takes over: a slot to
+        wait for, or a clean pass that did not come (one method call less per collective
+        on the latency path; nothing reads the frame between collectives).
+        """
+        if out is None:  # all_reduce, broadcast: typed like the gathers' for one compilation
+            out = _NO_BYTES
+        deadline = time.monotonic() + timeout_s
+        clock = self._clock
+        i = clock.next_slot
+        publishes = root < 0 or root == self.rank  # broadcast: only the root fills a slot
+        if publishes and clock.known_min < clock.free_at[i]:  # rare: a peer may still read it
+            self.frame.open_compiled(seq, op_name, timeout_s, deadline)
+            self.wait_all(clock.free_at[i])
+        step = clock.step + 1
+        srcs = self._slot_addrs[i]
+        r = _one_step_kernel(mode, src, out, self._cfg, self._peer_tab, srcs, plan, pre, post,
+                             seq, step, root)
+        clock.one_step(i, step, publishes, r == -1)
+        if r == -1:
+            return
+        # The kernel posted (with the fingerprint) but did not finish: the general path's
+        # state for this collective, as begin() would have left it, then its slow wait.
+        self.frame.reopen(seq, op_name, timeout_s, deadline,
+                          [seq, step - 1, *plan[:FP_WORDS - 2].tolist()], step - 1, i)
+        self._finish_wait(step, r, True)
+        _one_step_consume(mode, src, out, srcs, self.rank, root, plan[7], plan[6], pre, post)
+
+    def exchange_gather(self, i, inp, out, sub_nbytes):
+        """out[j * inp.size: (j + 1) * inp.size] = rank j's `inp`, for every rank j (uint8
+        arrays; all_gather into one buffer), through my slot i (claimed), streamed like
+        exchange_reduce: my own bytes are copied from `inp` (still in cache from the
+        copy-in), each peer's from its sub-slot."""
+        self._stream(i, STREAM_GATHER, inp, 1, 0, inp.size, sub_nbytes, None, out)
+
+    def exchange_reduce_two_shot(self, i, buf, spec):
+        """buf = the reduction (ops.ReduceSpec `spec`) of every rank's buf, in rank order,
+        as reduce-scatter + all-gather through my slot i (claimed): per sub-chunk two steps
+        -- copy in and post; wait; reduce my slice of every rank's sub-slot into buf and my
+        sub-slot; post; wait; copy every peer's reduced slice out of its sub-slot -- all in
+        one compiled call unless a peer is late (Python then finishes that wait, does the
+        step's work and resumes the kernel after it).
+
+        The sub-chunks take turns in STREAM_RING sub-slots, as in _stream: I copy sub-chunk
+        k into sub-slot k % 2 only after every peer posted the second step of k - 1, which
+        it does after gathering k - 2 (the last read of that sub-slot). The reduce writes
+        only my own slice of my sub-slot, which no peer reads until the next step. The
+        sub-chunks fill whole sub-slots: nothing overlaps across them, so smaller ones
+        would only add waits."""
+        jit.once(_TWO_SHOT, _warm_two_shot)
+        nbytes, size = buf.nbytes, buf.itemsize
+        sub = self.sub_nbytes(size, self.slot_nbytes)
+        nphase = 2 * max(1, -(-nbytes // sub))
+        step0 = self._clock.step
+        self._clock.hold(i, step0 + nphase + 1)
+        srcs, dst = self._slot_addrs[i], self._slot_addr_mine[i]
+        buf = buf.view(np.uint8)  # kernels move bytes; the reducer knows the dtype
+        fn, op, pre, post = spec.fn, spec.op, spec.pre, spec.post
+        p = 0
+        while True:
+            fp, fp_addr, peer_fp = self._fp_args()
+            done, r = _two_shot_kernel(
+                buf, size, sub, p, dst, fp_addr, fp[0], fp[1], fp[2], fp[3], fp[4], fp[5],
+                fp[6], fp[7], self._seq_addr, self.frame.seq, self._posted_addr, step0,
+                self._peer_posted, peer_fp, self._peer_state, self._spins, self._yield_ns,
+                self._state_addr, self._verify, srcs, self.rank, fn, op, pre, post,
+                self._gil_addr, self._gil_me)
+            if fp_addr:
+                self.frame.written()
+            if self._settle(step0, nphase, done, r, fp_addr):
+                return
+            _two_shot_consume(done, buf, size, sub, srcs, self.rank, fn, op, pre, post)
+            p = done + 1
+            if p >= nphase:
+                self._clock.posted(step0 + nphase)
+                return
+
+    def _stream(self, i, mode, src, itemsize, byte_offset, nbytes, sub_nbytes, spec, out):
+        """One collective's data through slot i in sub-chunks, one step each: copy the
+        sub-chunk in, post, wait for every peer, then consume every rank's copy of it
+        (mode STREAM_REDUCE: reduce into src with ops.ReduceSpec `spec`; STREAM_GATHER:
+        copy into out), `src` and `out` being bytes of `itemsize`-byte elements, all in one
+        compiled call unless a peer is late (Python then finishes that wait, consumes the
+        sub-chunk and resumes the kernel after it).
+
+        Each peer reads a sub-chunk from the writer's cache right after it was written
+        rather than from memory, and the sub-chunks take turns in a ring of STREAM_RING
+        sub-slots at the start of slot i, so the slot memory stays in cache too: only the
+        user buffers stream through memory, and nbytes may exceed the slot. A ring of 2
+        needs no extra waits: I copy sub-chunk k into sub-slot k % 2 only after seeing
+        every peer post sub-chunk k - 1, and a peer posts k - 1 only after it consumed
+        k - 2, the last read of that sub-slot.
+        """
+        jit.once(_STREAM, _warm_stream)
+        sub = self.sub_nbytes(itemsize, sub_nbytes)
+        nsub = max(1, -(-nbytes // sub))
+        step0 = self._clock.step
+        self._clock.hold(i, step0 + nsub + 1)
+        srcs, dst = self._slot_addrs[i], self._slot_addr_mine[i]
+        fn, op, pre, post = (0, 0, 1.0, 1.0) if spec is None else \
+            (spec.fn, spec.op, spec.pre, spec.post)
+        k = 0
+        while True:
+            fp, fp_addr, peer_fp = self._fp_args()
+            done, r = _stream_kernel(
+                mode, src, byte_offset, nbytes, sub, k, dst, fp_addr,
+                fp[0], fp[1], fp[2], fp[3], fp[4], fp[5], fp[6], fp[7],
+                self._seq_addr, self.frame.seq, self._posted_addr, step0, self._peer_posted,
+                peer_fp,
+                self._peer_state, self._spins, self._yield_ns, self._state_addr, self._verify, srcs,
+                self.rank, fn, op, pre, post, out, self._gil_addr, self._gil_me)
+            if fp_addr:
+                self.frame.written()
+            if self._settle(step0, nsub, done, r, fp_addr):
+                return
+            _consume(mode, src, byte_offset + done * sub, min(sub, nbytes - done * sub),
+                     srcs, done % STREAM_RING * sub, self.rank, fn, op, pre, post, out,
+                     done * sub, nbytes)
+            k = done + 1
+            if k >= nsub:
+                self._clock.posted(step0 + nsub)
+                return
+
+    def _settle(self, step0, nsteps, done, r, fp_addr):
+        """After a multi-step kernel (_stream, exchange_reduce_two_shot) returned (done, r):
+        True when all `nsteps` steps were exchanged and consumed (r == -1). Else step
+        `done` is posted but not every peer has posted it: finish that wait in Python
+        (slow tiers, errors) and return False; the caller then does that step's work and
+        resumes the kernel after it. The kernel wrote and checked the fingerprint at step 0."""
+        if r == -1:
+            self._clock.reached(step0 + nsteps)
+            if fp_addr:
+                self.frame.checked()
+            return True
+        step = step0 + done + 1
+        self._clock.posted(step)
+        self._finish_wait(step, r, fp_addr != 0 and done == 0)
+        if fp_addr and done > 0:
+            self.frame.checked()
+        return False
+
+    # -- single copy (see single_copy.py) --------------------------------------------------
+
+    def exchange_buffer(self, arr):
+        """Publish the address of my 1-D array `arr` (its bytes stay where they are), post
+        and wait for every peer (exchange()); return every rank's buffer address, each in
+        its owner's address space (int64 array, mine included). Peers' buffers are only
+        read through reduce_peers / gather_peers, between this wait and my next post."""
+        self._mine[_BUF_ADDR] = arr.ctypes.data
+        self._mine[_BUF_NBYTES] = arr.nbytes
+        self.exchange()
+        addrs = np.empty(self.world_size, np.int64)
+        for p, c in enumerate(self._ctrl):
+            if p != self.rank and c[_BUF_NBYTES] != arr.nbytes:
+                raise ShmcollError(
+                    f"{self.frame.name} (seq {self.frame.seq}): rank {p} published a buffer of "
+                    f"{int(c[_BUF_NBYTES])} bytes, rank {self.rank} one of {arr.nbytes} (a "
+                    f"corrupt control block?)")
+            addrs[p] = c[_BUF_ADDR]
+        return addrs
+
+    def reduce_peers(self, addrs, out, offset, spec):
+        """out[i] = the reduction (ops.ReduceSpec) in rank order of every rank's element
+        at addrs[p] + offset + i * itemsize (addrs from exchange_buffer; mine may be `out`
+        itself)."""
+        jit.once(_SINGLE_COPY, _warm_single_copy)
+        piece = max(1, PIECE_NBYTES // out.itemsize) * out.itemsize
+        scratch = self._scratch_for(piece)
+        peer, err = reduce_from_peers(self.single_copy, self._pid_arr, addrs, self.rank,
+                                      out.view(np.uint8), offset, scratch, piece, spec.fn,
+                                      spec.op, spec.pre, spec.post)
+        if peer >= 0:
+            raise self._watch.read_error(peer, err, self.frame)
+
+    def gather_peers(self, peers, remote, local, nbytes):
+        """Copy nbytes[k] bytes at remote[k] in rank peers[k]'s address space to local[k]
+        (int64 arrays; the ranges were published with exchange_buffer)."""
+        jit.once(_SINGLE_COPY, _warm_single_copy)
+        peer, err = gather_from_peers(self.single_copy, self._pid_arr, self.rank, peers,
+                                      remote, local, nbytes)
+        if peer >= 0:
+            raise self._watch.read_error(peer, err, self.frame)
+
+    def _scratch_for(self, piece_nbytes):
+        need = piece_nbytes * max(1, self.world_size - 1) if self.single_copy == CMA else 64
+        if self._scratch is None or self._scratch.nbytes < need:
+            raw = np.empty(need + 4096, np.uint8)
+            start = -raw.ctypes.data % 4096
+            self._scratch = raw[start:start + need]
+        return self._scratch
 
     # -- lifecycle -------------------------------------------------------------------------
 

@@ -2,10 +2,13 @@
 the compiled tiers (rule 5), and every error a collective can end in -- a lost, closed or
 aborted peer, the deadline, a fingerprint mismatch (rule 4), a failed single-copy read.
 
-`WaitMixin` is a part of protocol.Arena (it uses the Arena's control-block views, peers,
-liveness callback and the current collective's seq, name, fingerprint and deadline); the
-Arena's own waits (wait_all, _finish_wait) call into it only once a compiled wait did not
-complete cleanly. protocol.py re-exports the constants.
+`PeerWatch` holds what it needs, given once by protocol.Arena: this rank's and its peers'
+control-block views and word addresses, their pids, the liveness callback and the
+fingerprint renderer. It writes no state: a wait returns when every peer arrived or raises;
+the fingerprint check returns its verdict (None or the error to raise), and the Arena,
+which owns the step clock (protocol_steps.py), undoes the slot rotation on a mismatch. The
+collective's name, seq, timeout and deadline come from the Arena's Frame, passed to each
+call. protocol.py re-exports the constants.
 """
 
 import errno
@@ -54,12 +57,28 @@ FUTEX_SLEEP_MIN_S = 1e-3
 FUTEX_SLEEP_MAX_S = 8e-3
 
 
-class WaitMixin:
-    """protocol.Arena's slow waits and failures (see the module docstring)."""
+class PeerWatch:
+    """The slow wait and the errors of protocol.Arena (see the module docstring)."""
 
-    def _wait_slow(self, target, r):
-        """The compiled tiers ran out (or saw my abort word): sleep with backoff, checking
-        abort, peer liveness and the deadline before every sleep."""
+    def __init__(self, rank, ctrl, peer_posted, posted_addrs, state_addrs, seq_addrs, pids,
+                 is_alive, describe):
+        self.rank = rank
+        self._ctrl = ctrl
+        self._mine = ctrl[rank]
+        self._peers = [p for p in range(len(ctrl)) if p != rank]
+        self._peer_posted = peer_posted  # int64 addresses of the peers' POSTED words
+        self._posted_addrs = posted_addrs
+        self._state_addrs = state_addrs
+        self._seq_addrs = seq_addrs
+        self._state_addr = state_addrs[rank]
+        self._pids = pids
+        self._is_alive = is_alive
+        self._describe = describe
+
+    def wait(self, target, r, frame):
+        """The compiled tiers ran out (or saw my abort word) waiting for every peer to post
+        `target`: sleep with backoff, checking abort, peer liveness and the deadline before
+        every sleep; return once every peer posted it, else raise."""
         jit.once(_EXCHANGE, _warm_exchange)  # wait_all_ge, called from Python below
         futex = HAVE_FUTEX and r >= 0
         sleep_s, sleep_max = (FUTEX_SLEEP_MIN_S, FUTEX_SLEEP_MAX_S) if futex else \
@@ -67,11 +86,11 @@ class WaitMixin:
         while True:
             if r == -2 or self._mine[W_STATE * LINE_WORDS] != STATE_LIVE:
                 raise GroupAbortedError(
-                    f"{self._op_name}: rank {self.rank} aborted while waiting at seq {self._seq}")
-            self._check_peers(target)
-            left = self._deadline - time.monotonic()
+                    f"{frame.name}: rank {self.rank} aborted while waiting at seq {frame.seq}")
+            self._check_peers(target, frame)
+            left = frame.deadline - time.monotonic()
             if left < 0:
-                raise self._timeout_error(target)
+                raise self._timeout_error(target, frame)
             if futex:
                 # asleep until the first missing peer posts (rule 5), then one look: no
                 # yield-polling after it, which only burns the cores an oversubscribed
@@ -87,7 +106,7 @@ class WaitMixin:
             if r == -1:
                 return
 
-    def _check_peers(self, target):
+    def _check_peers(self, target, frame):
         """Raise if a peer we still wait for can never arrive.
 
         Every missing peer is checked, not only the first: with 3+ ranks the first missing
@@ -103,7 +122,7 @@ class WaitMixin:
             state = int(self._ctrl[peer][W_STATE * LINE_WORDS])
             if (state == STATE_CLOSED or not self._is_alive(peer)) and self._still_short(
                     peer, target):
-                raise self._lost_error(peer, state)
+                raise self.lost_error(peer, state, frame)
             if state == STATE_ABORTED and aborted is None:
                 aborted = peer
         if aborted is not None:
@@ -111,10 +130,10 @@ class WaitMixin:
             for peer in self._peers:
                 state = int(self._ctrl[peer][W_STATE * LINE_WORDS])
                 if state == STATE_CLOSED or not self._is_alive(peer):
-                    raise self._lost_error(peer, state)
+                    raise self.lost_error(peer, state, frame)
             raise GroupAbortedError(
-                f"{self._op_name}: rank {aborted} aborted the group while rank {self.rank} "
-                f"waited for it at seq {self._seq}; this group is unusable, create a new one")
+                f"{frame.name}: rank {aborted} aborted the group while rank {self.rank} "
+                f"waited for it at seq {frame.seq}; this group is unusable, create a new one")
 
     def _still_short(self, peer, target):
         """Re-read the peer's POSTED after seeing it closed or dead: it may have posted
@@ -123,48 +142,44 @@ class WaitMixin:
         second read is final."""
         return read_acquire(self._posted_addrs[peer]) < target
 
-    def _lost_error(self, peer, state):
+    def lost_error(self, peer, state, frame):
         what = "closed the group" if state == STATE_CLOSED else "exited"
         pid = self._pids[peer] if peer < len(self._pids) else None
         return PeerLostError(
-            f"{self._op_name}: rank {peer} (pid {pid}) {what} while rank {self.rank} waited "
-            f"for it at seq {self._seq} (peer last seq "
+            f"{frame.name}: rank {peer} (pid {pid}) {what} while rank {self.rank} waited "
+            f"for it at seq {frame.seq} (peer last seq "
             f"{int(self._ctrl[peer][W_SEQ * LINE_WORDS])}); this group is unusable, create a "
             f"new one", peer=peer)
 
-    def _timeout_error(self, target):
+    def _timeout_error(self, target, frame):
         missing = [p for p in self._peers if self._ctrl[p][W_POSTED * LINE_WORDS] < target]
         seqs = ", ".join(f"rank {p} at seq {int(self._ctrl[p][W_SEQ * LINE_WORDS])}"
                          for p in missing)
-        ms = int(round(self._timeout_s * 1000))
+        ms = int(round(frame.timeout_s * 1000))
         return CollectiveTimeoutError(
-            f"[Rank {self.rank}] {self._op_name} (seq {self._seq}): Timed out waiting {ms}ms "
+            f"[Rank {self.rank}] {frame.name} (seq {frame.seq}): Timed out waiting {ms}ms "
             f"for ranks {missing} to arrive ({seqs})")
 
-    def _check_fingerprints(self):
-        self._fp_pending = False
-        if not self._verify:
-            return
-        mine = self._fp_list
-        line = (FP_LINE0 + self._seq % FP_RING) * LINE_WORDS
+    def fingerprint_verdict(self, frame):
+        """Rule 4, once every peer posted the collective's first step: None when every
+        peer's fingerprint for `frame` matches mine and no peer aborted at or before it;
+        else the error to raise (a CollectiveMismatchError, after which the group stays
+        usable once the caller undid the collective's slot rotation; or the lost or
+        aborted peer's error)."""
+        mine = frame.fp
+        line = (FP_LINE0 + frame.seq % FP_RING) * LINE_WORDS
         end = line + len(mine)
         for p in self._peers:
             theirs = self._ctrl[p][line:end].tolist()  # a copy: checked and rendered alike
             if theirs != mine:
-                # Undo this collective's slot rotation: no data moved, the group stays usable.
-                # Slots published by this collective were read by nobody (every peer raises
-                # at this same wait), and every peer has posted >= _known_min, so they are
-                # free again now; keeping their "free at step + 1" would make the next
-                # collective's claim() wait for a post that comes only after that claim.
-                self._next_slot = self._slot_at_begin
-                self._free_at = [min(f, self._known_min) for f in self._free_at]
                 ours, other = self._describe(tuple(mine[2:])), self._describe(tuple(theirs[2:]))
                 if theirs[0] != mine[0]:
                     other += f" at seq {theirs[0]} (ranks are out of step)"
                 elif ours == other:
                     other += " with a different shape or split sizes"
-                raise CollectiveMismatchError(
-                    f"seq {self._seq}: rank {self.rank} called {ours} but rank {p} called {other}")
+                return CollectiveMismatchError(
+                    f"seq {frame.seq}: rank {self.rank} called {ours} but rank {p} called "
+                    f"{other}")
         # A peer that aborted (timeout, lost peer, abort()) at this collective or an
         # earlier one: do not complete it here with the data it left behind, so that every
         # rank fails at the same collective (a late rank woken by SIGCONT included). One
@@ -174,20 +189,22 @@ class WaitMixin:
         # and close at once.
         for p in self._peers:
             if (read_acquire(self._state_addrs[p]) == STATE_ABORTED
-                    and read_acquire(self._seq_addrs[p]) <= self._seq):
+                    and read_acquire(self._seq_addrs[p]) <= frame.seq):
                 for q in self._peers:  # name the lost rank the aborting peer noticed
                     if not self._is_alive(q):
-                        raise self._lost_error(q, int(self._ctrl[q][W_STATE * LINE_WORDS]))
-                raise GroupAbortedError(
-                    f"{self._op_name}: rank {p} aborted the group before rank {self.rank} "
-                    f"reached seq {self._seq}; this group is unusable, create a new one")
+                        return self.lost_error(q, int(self._ctrl[q][W_STATE * LINE_WORDS]),
+                                               frame)
+                return GroupAbortedError(
+                    f"{frame.name}: rank {p} aborted the group before rank {self.rank} "
+                    f"reached seq {frame.seq}; this group is unusable, create a new one")
+        return None
 
-    def _read_error(self, peer, err):
+    def read_error(self, peer, err, frame):
         """The error of a failed single-copy read from `peer` (-errno `err`)."""
         state = int(self._ctrl[peer][W_STATE * LINE_WORDS])
         if -err == errno.ESRCH or not self._is_alive(peer) or state == STATE_CLOSED:
-            return self._lost_error(peer, state)
+            return self.lost_error(peer, state, frame)
         return ShmcollError(
-            f"{self._op_name} (seq {self._seq}): rank {self.rank} could not read rank "
+            f"{frame.name} (seq {frame.seq}): rank {self.rank} could not read rank "
             f"{peer}'s buffer (pid {self._pids[peer]}): process_vm_readv failed with "
             f"{errno_text(err)}")

@@ -332,14 +332,9 @@ def test_resolver_sees_relative_imports():
 # -- one writer per piece of state (STYLE.md §00, issue 24) -------------------------------
 
 STATE_PACKAGES = ("shmcoll", "cuda_ipc", "threaded_pg")
-# Issue 24 (one writer per piece of state) moves these last mixins out; shrink this list as
-# it does, never grow it. (file, class) -> the mixin bases it may still have:
-# - the torch adapter's method tables (torch wants ~40 methods on one class; they hold no
-#   state of their own), which remain for now;
-# - the protocol Arena's drivers and waits (protocol_drivers.py, protocol_waits.py), being
-#   split into collaborators on their own branch.
+# Issue 24 (one writer per piece of state) moved the last mixins out: a class here would be
+# one still built from mixins; it stays empty. (file, class) -> the mixin bases it may have.
 MIXIN_ALLOWED = {
-    ("shmcoll/protocol.py", "Arena"): {"DriverMixin", "WaitMixin"},
 }
 # Not a stop-gap: torch wants ~40 methods on one ProcessGroup class, and the adapter keeps
 # them in method tables by kind, which hold no state (test_method_tables_hold_no_state):
@@ -349,13 +344,10 @@ METHOD_TABLES = {
         "ReduceMixin", "MovementMixin", "GatherScatterMixin", "P2PMixin", "BarrierMixin"},
 }
 # Issue 24 as well: attributes still written from more than one file; shrink it, never grow
-# it. class -> those attributes (allowed for its subclasses too):
-# - the Arena's step, slot and fingerprint state (protocol.py, protocol_drivers.py,
-#   protocol_waits.py), split into collaborators on its own branch.
+# it. class -> those attributes (allowed for its subclasses too). Empty: the Arena's step,
+# slot and fingerprint state went to StepClock and Frame, the adapter's counts to
+# process_group.py's _next_split / _next_monitored_barrier.
 SPLIT_WRITERS_ALLOWED = {
-    "Arena": {"_begin_step", "_deadline", "_fp_list", "_fp_pending", "_fp_unwritten",
-              "_free_at", "_known_min", "_next_slot", "_op_name", "_scratch", "_seq",
-              "_slot_at_begin", "_step", "_timeout_s"},
 }
 
 

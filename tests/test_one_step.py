@@ -177,7 +177,8 @@ def test_one_step_waits_for_its_slot_before_writing_it():
     arenas = [protocol.Arena(regions, r, layout, lambda p: True) for r in range(2)]
     g = Group(arenas[0], 0, 2, timeout_s=0.2)
     a0 = arenas[0]
-    a0._free_at[a0._next_slot] = a0._known_min + 1  # as if rank 1 still read the slot
+    clock = a0._clock
+    clock.hold(clock.next_slot, clock.known_min + 1)  # as if rank 1 still read the slot
     slot_before = regions[0][layout.data_offset:layout.data_offset + 64].copy()
     x = np.full(4, 7.0, np.float32)
     with pytest.raises(CollectiveTimeoutError, match=r"all_reduce \(seq 1\)"):
