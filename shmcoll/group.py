@@ -123,6 +123,17 @@ class Group:
     def poisoned(self):
         return self._poison
 
+    @property
+    def pids(self):
+        """Each rank's process id, by rank (what a control plane beside the group, such as
+        cuda_ipc's rendezvous, watches for liveness); world size 1 (no arena): this
+        process's. A closed group raises, naming the call."""
+        if self._arena is not None:
+            return self._arena.pids
+        if self.world_size == 1:
+            return [os.getpid()]
+        raise ShmcollError("pids: the group was closed")
+
     def is_peer_alive(self, peer):
         """Whether rank `peer`'s process (or thread) still runs."""
         return self._arena is None or self._arena.is_peer_alive(peer)

@@ -310,6 +310,11 @@ class Arena:
         """My last posted step."""
         return self._clock.step
 
+    @property
+    def pids(self):
+        """Each rank's process id, by rank, as its region's header says (a copy)."""
+        return list(self._pids)
+
     # -- collective framing ------------------------------------------------------------
 
     def begin(self, seq, op_name, fp, timeout_s):

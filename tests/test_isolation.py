@@ -253,3 +253,21 @@ def test_garbage_fingerprint_from_a_peer_is_a_clean_mismatch():
     # the renderer copes with anything a peer may write
     for fp in [(0,) * 6, (-1, 2**62, -(2**62), 5, 2**40, 3), (3, 12, 0, 2**63 - 1, 8, 0)]:
         assert isinstance(describe_fingerprint(fp), str)
+
+
+def test_group_names_its_ranks_pids_and_refuses_once_closed():
+    """Group.pids: each rank's process id by rank (what cuda_ipc's rendezvous watches),
+    read from the ranks' region headers; world size 1: this process; closed: an error."""
+    import threaded_pg
+    from shmcoll.errors import ShmcollError
+
+    def fn(rank, ws, rendezvous):
+        group = threaded_pg.new_threaded_group(rendezvous, rank, ws)
+        pids = group.pids
+        group.close()
+        with pytest.raises(ShmcollError, match="pids: the group was closed"):
+            group.pids
+        return pids
+
+    assert threaded_pg.run_threads(fn, 3) == [[os.getpid()] * 3] * 3
+    assert threaded_pg.run_threads(fn, 1) == [[os.getpid()]]

@@ -232,7 +232,7 @@ class EngineProcessGroup(ReduceMixin, MovementMixin, GatherScatterMixin, P2PMixi
             raise RuntimeError(f"{self._backend_name}: this process group was built without "
                                f"a store, so its ranks cannot exchange device handles")
         return ProcessRendezvous(self._store, group.rank, group.world_size,
-                                 group._arena._pids, group.timeout_s, self._cfg.shm_dir)
+                                 group.pids, group.timeout_s, self._cfg.shm_dir)
 
     # -- coalescing ----------------------------------------------------------------------
 
