@@ -128,11 +128,9 @@ class Group:
         """Each rank's process id, by rank (what a control plane beside the group, such as
         cuda_ipc's rendezvous, watches for liveness); world size 1 (no arena): this
         process's. A closed group raises, naming the call."""
-        if self._arena is not None:
-            return self._arena.pids
-        if self.world_size == 1:
-            return [os.getpid()]
-        raise ShmcollError("pids: the group was closed")
+        if self._closed:
+            raise ShmcollError("pids: the group was closed")
+        return [os.getpid()] if self._arena is None else self._arena.pids
 
     def is_peer_alive(self, peer):
         """Whether rank `peer`'s process (or thread) still runs."""
