@@ -8,7 +8,9 @@ import datetime
 import os
 import platform
 import socket
+import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 from benchmarks import device as device_mod
@@ -39,6 +41,20 @@ def _mem_total_gib():
     except OSError:
         pass
     return None
+
+
+def export_revision(rev: str, into) -> Path:
+    """This repository's tree at git revision `rev`, unpacked into directory `into` (the
+    older version of an in-run comparison: benchmarks.init_time --base, lab.ab)."""
+    repo = Path(__file__).resolve().parent.parent
+    archive = subprocess.run(["git", "-C", str(repo), "archive", rev], check=True,
+                             capture_output=True).stdout
+    tar = Path(into) / "base.tar"
+    tar.write_bytes(archive)
+    with tarfile.open(tar) as t:
+        t.extractall(into, filter="data")
+    tar.unlink()
+    return Path(into)
 
 
 def git_commit(start: Path = Path(__file__).resolve().parent) -> str:

@@ -41,9 +41,10 @@ import socket
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 from pathlib import Path
+
+from benchmarks.header import export_revision
 
 __all__ = ["main", "run_once"]
 
@@ -146,14 +147,7 @@ def _base_tree(base, into):
     if Path(base).is_dir():
         tree = Path(base)
     else:
-        archive = subprocess.run(["git", "-C", str(_REPO), "archive", base], check=True,
-                                 capture_output=True).stdout
-        tar = Path(into) / "base.tar"
-        tar.write_bytes(archive)
-        with tarfile.open(tar) as t:
-            t.extractall(into, filter="data")
-        tar.unlink()
-        tree = Path(into)
+        tree = export_revision(base, into)
     subprocess.run([sys.executable, "-m", "shmcoll.warmup"], cwd=tree, env=_env(tree),
                    check=True, capture_output=True)
     return tree

@@ -18,25 +18,15 @@ import os
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 from pathlib import Path
+
+from benchmarks.header import export_revision
 
 __all__ = ["main"]
 
 _HERE = Path(__file__).resolve().parent.parent
 
-
-def _export(rev, into):
-    """`git archive rev` of this repository, unpacked into directory `into`."""
-    archive = subprocess.run(["git", "-C", str(_HERE), "archive", rev], check=True,
-                             capture_output=True).stdout
-    tar = Path(into) / "base.tar"
-    tar.write_bytes(archive)
-    with tarfile.open(tar) as t:
-        t.extractall(into, filter="data")
-    tar.unlink()
-    return Path(into)
 
 
 def _env(tree):
@@ -69,7 +59,7 @@ def main(argv=None):
     args = ap.parse_args(argv[:split])
     bench_args = argv[split + 1:]
     with tempfile.TemporaryDirectory(prefix="shmcoll-ab-") as tmp:
-        base = Path(args.base) if os.path.isdir(args.base) else _export(args.base, tmp)
+        base = Path(args.base) if os.path.isdir(args.base) else export_revision(args.base, tmp)
         trees = {"A": base.resolve(), "B": _HERE}
         for tree in trees.values():
             subprocess.run([sys.executable, "-m", "shmcoll.warmup"], cwd=tree, env=_env(tree),
