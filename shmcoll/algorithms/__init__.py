@@ -12,14 +12,14 @@ from .all_reduce import STREAM_NBYTES, all_reduce_one_shot, all_reduce_single_co
     all_reduce_two_shot, one_shot_sub_nbytes
 from .all_to_all import all_to_all_direct
 from .barrier import barrier_flags
-from .broadcast import broadcast_direct, broadcast_single_copy
+from .broadcast import broadcast_direct, broadcast_single_copy, broadcast_streamed
 from .gather import gather_direct
 from .reduce import reduce_direct
 from .reduce_scatter import reduce_scatter_direct, reduce_scatter_single_copy
 from .scatter import scatter_direct
 
 __all__ = ["select", "one_step_mode", "ONE_SHOT_MAX_NBYTES", "SINGLE_COPY_MIN",
-           "SINGLE_COPY_SMALL_PAGES_MAX"]
+           "SINGLE_COPY_SMALL_PAGES_MAX", "BROADCAST_STREAMED_MIN_NBYTES"]
 
 # all_reduce one-shot vs two-shot cut-over, by world size. One-shot reads N*S per rank and
 # needs one wait per sub-chunk; two-shot reads ~2*S but needs two waits (both run as one
@@ -70,6 +70,17 @@ SINGLE_COPY_SMALL_PAGES_MAX = {CMA: {"all_reduce": (16 << 20, 2)}}
 _SINGLE_COPY = {"all_reduce": all_reduce_single_copy, "all_gather": all_gather_single_copy,
                 "broadcast": broadcast_single_copy, "reduce_scatter": reduce_scatter_single_copy}
 
+# broadcast: below this size broadcast_direct (one chunk of a slot is one compiled call,
+# Arena.one_step: the root's copy-in, then the others' copy-out), from it on
+# broadcast_streamed (the two copies overlap sub-chunk by sub-chunk, but each call takes
+# the general path's Python and a hand-over per sub-chunk). Measured at 2 ranks (engine
+# level, torch buffers rewritten before every call, alternating blocks in one run, load
+# 3.9; us, direct / streamed in 512 KiB sub-chunks): 1 MiB 175 / 305, 4 MiB 1181 / 1051,
+# 8 MiB 3537 / 3088, 16 MiB 8689 / 6310, 64 MiB 26146 / 24775; at 256 KiB the streamed
+# one lost 2x in every run (82 / 183 in 128-512 KiB sub-chunks). Rank threads (not
+# measured) keep broadcast_direct.
+BROADCAST_STREAMED_MIN_NBYTES = 4 << 20
+
 _FIXED = {
     "broadcast": broadcast_direct,
     "reduce": reduce_direct,
@@ -109,6 +120,8 @@ def select(collective, nbytes, world_size, direct_max_nbytes=-1, single_copy=NON
                 world_size, ONE_SHOT_MAX_NBYTES_THREADS_DEFAULT) if threads else \
                 ONE_SHOT_MAX_NBYTES.get(world_size, ONE_SHOT_MAX_NBYTES_DEFAULT)
         return all_reduce_one_shot if nbytes <= limit else all_reduce_two_shot
+    if collective == "broadcast" and not threads and nbytes >= BROADCAST_STREAMED_MIN_NBYTES:
+        return broadcast_streamed
     try:
         return _FIXED[collective]
     except KeyError:
