@@ -73,7 +73,7 @@ def test_broadcast_streams_large_messages():
     """broadcast: one compiled step below the threshold, streamed (root's copy-in and the
     others' copy-out overlapping) from it on, for processes only."""
     limit = algorithms.BROADCAST_STREAMED_MIN_NBYTES
-    assert limit == 4 << 20
+    assert limit == 8 << 20
     for world_size in (2, 3, 4, 8):
         assert select("broadcast", limit - 1, world_size) is broadcast_direct
         assert select("broadcast", limit, world_size) is broadcast_streamed

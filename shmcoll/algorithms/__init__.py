@@ -70,16 +70,20 @@ SINGLE_COPY_SMALL_PAGES_MAX = {CMA: {"all_reduce": (16 << 20, 2)}}
 _SINGLE_COPY = {"all_reduce": all_reduce_single_copy, "all_gather": all_gather_single_copy,
                 "broadcast": broadcast_single_copy, "reduce_scatter": reduce_scatter_single_copy}
 
-# broadcast: below this size broadcast_direct (one chunk of a slot is one compiled call,
-# Arena.one_step: the root's copy-in, then the others' copy-out), from it on
-# broadcast_streamed (the two copies overlap sub-chunk by sub-chunk, but each call takes
-# the general path's Python and a hand-over per sub-chunk). Measured at 2 ranks (engine
-# level, torch buffers rewritten before every call, alternating blocks in one run, load
-# 3.9; us, direct / streamed in 512 KiB sub-chunks): 1 MiB 175 / 305, 4 MiB 1181 / 1051,
-# 8 MiB 3537 / 3088, 16 MiB 8689 / 6310, 64 MiB 26146 / 24775; at 256 KiB the streamed
-# one lost 2x in every run (82 / 183 in 128-512 KiB sub-chunks). Rank threads (not
-# measured) keep broadcast_direct.
-BROADCAST_STREAMED_MIN_NBYTES = 4 << 20
+# broadcast: below this size broadcast_direct (up to a slot, 4 MiB by default, one
+# compiled call, Arena.one_step: the root's copy-in, then the others' copy-out; above, a
+# slot per chunk, chunk c + 1's copy-in overlapping chunk c's copy-out), from it on
+# broadcast_streamed (the copies overlap sub-chunk by sub-chunk, but each call takes the
+# general path's Python and a hand-over per sub-chunk, which costs whenever a rank is
+# descheduled). Measured at 2 ranks, engine level, alternating blocks in one run (torch
+# buffers; the root's rewritten before every call in all but the first two runs),
+# 2026-11-28 on the shared 2-core VM at load 1-6, streamed (512 KiB sub-chunks) / direct
+# time, run by run: 1 MiB 0.89 1.06 1.38 0.90 1.74; 4 MiB 1.17 1.24 0.78 0.86 0.89 0.89
+# 1.25 1.17 (lab.ab_engine: 0.97 0.85 1.52) -- a toss-up, so up to 8 MiB it stays
+# direct; 8 MiB 0.87 0.93 0.98; 12 MiB 0.86; 16 MiB 0.63 1.21 0.85 1.03 0.94 0.73 1.17
+# (lab.ab_engine: 0.95 0.89 0.93); 64 MiB 0.95. At 256 KiB it lost 2x in every run.
+# Rank threads (not measured) keep broadcast_direct.
+BROADCAST_STREAMED_MIN_NBYTES = 8 << 20
 
 _FIXED = {
     "broadcast": broadcast_direct,

@@ -8,10 +8,11 @@ __all__ = ["broadcast_direct", "broadcast_streamed", "broadcast_single_copy",
 # broadcast_streamed's sub-chunk: small enough that the readers' copy-out of sub-chunk k
 # overlaps most of the root's copy-in of k + 1, large enough that the hand-over per
 # sub-chunk (one post and one wait on each side) stays a small part of its copy. Measured
-# (2 ranks, engine level, torch buffers rewritten before every call, alternating blocks,
-# 2026-11-28, load 3.9; us, direct / 256K / 512K / 1M sub-chunks): 4 MiB 1181 / 1048 /
-# 1051 / 1142, 8 MiB 3537 / 3151 / 3088 / 3076, 16 MiB 8689 / 6603 / 6310 / 6005,
-# 64 MiB 26146 / 27049 / 24775 / 24320.
+# (2 ranks, engine level, the root's torch buffer rewritten before every call, alternating
+# blocks, 2026-11-28, load 3.9; us, direct / 256K / 512K / 1M sub-chunks): 4 MiB 1181 /
+# 1048 / 1051 / 1142, 8 MiB 3537 / 3151 / 3088 / 3076, 16 MiB 8689 / 6603 / 6310 / 6005,
+# 64 MiB 26146 / 27049 / 24775 / 24320; 64 and 128 KiB lost to 512 KiB at 1, 4 and 16 MiB
+# in an earlier run.
 BROADCAST_SUB_NBYTES = 512 << 10
 
 
