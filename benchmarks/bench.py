@@ -54,6 +54,7 @@ from benchmarks.peers import DEFAULT_MPIRUN_ARGS, run_memcpy
 from benchmarks.ranks import run_config
 from benchmarks.rows import MEMCPY, Reporter, load_jsonl, memcpy_table, merge_rounds, ratio_table
 from benchmarks.sizes import parse_size, size_range
+from benchmarks.traffic import ceiling_table, copy_bandwidth, per_rank_bytes
 
 # Names that other modules and the tests use as benchmarks.bench.<name> (mpi_peer, hier_bench,
 # hier_ab, ddp_step, report, tests/test_bench_peers.py), from where they live now.
@@ -251,6 +252,25 @@ def print_ratios(rows, pairs) -> None:
         print(text)
 
 
+def print_ceilings(rows) -> None:
+    """The traffic model's table (benchmarks/traffic.py) of the rows that name an algorithm."""
+    text = ceiling_table(rows, _copy_bw(rows))
+    if text:
+        print(text)
+
+
+def _copy_bw(rows) -> dict:
+    """{nbytes: single-core copy read+write B/s} for the traffic model: the memcpy peer's
+    rows of this run where it has them, else measured now at every modelled row's S."""
+    mem = {r["nbytes"]: r["busbw_GBps"] * 1e9 for r in rows
+           if r.get("record", "row") == "row" and r["backend"] == MEMCPY and not r["wrong"]}
+    if mem:
+        return mem
+    sizes = sorted({per_rank_bytes(r["op"], r["nbytes"], r["world_size"]) for r in rows
+                    if r.get("algorithm")})
+    return copy_bandwidth([s for s in sizes if s > 0]) if sizes else {}
+
+
 def main(argv=None) -> int:
     args = resolve_args(argv)
 
@@ -271,6 +291,7 @@ def main(argv=None) -> int:
         seen = list(dict.fromkeys(r["backend"] for r in rows))  # order of the file
         pairs = args.pairs if args.compare else default_pairs(seen)
         print_ratios(rows, pairs)
+        print_ceilings(rows)
         if args.plot:
             from benchmarks import plot
             plot.plot_rows(rows, args.plot)
@@ -314,6 +335,7 @@ def main(argv=None) -> int:
         print(f"\n# the tables below: per row, the median of {args.rounds} rounds")
     if args.pairs:
         print_ratios(rows, args.pairs)
+    print_ceilings(rows)
     if args.plot and rows:
         from benchmarks import plot
         plot.plot_rows(rows, args.plot,

@@ -24,6 +24,7 @@ from pathlib import Path
 from benchmarks import collectives
 from benchmarks import device as device_mod
 from benchmarks.peers import run_memcpy, run_mpi_config
+from benchmarks import traffic
 from benchmarks.rows import DEEPSPEED, MEMCPY, MPI4PY, Reporter, make_row
 from benchmarks.sizes import plan_iterations
 from benchmarks.supervise import (_EventLog, _free_port, _rank_cfg, _read_fatals,
@@ -130,9 +131,14 @@ def _worker(rank: int, cfg: dict) -> None:
                              message=_summarize(msgs))
                     break  # skip the larger sizes of this op, go on with the next op
                 if rank == 0:
-                    emit(event="row", row=make_row(
+                    row = make_row(
                         backend, spec, n, nbytes, count, cfg["dtype"], iters, warm,
-                        allv[:, 0].tolist(), allv[:, 1].tolist(), int(allv[:, 2].sum())))
+                        allv[:, 0].tolist(), allv[:, 1].tolist(), int(allv[:, 2].sum()))
+                    algorithm = traffic.algorithm_of(spec.name, nbytes, n) \
+                        if peer_call is None else None
+                    if algorithm is not None:  # shm: the traffic model's row (traffic.py)
+                        row["algorithm"] = algorithm
+                    emit(event="row", row=row)
         emit(event="done")
         try:
             dist.destroy_process_group()

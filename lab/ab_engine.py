@@ -4,14 +4,17 @@ machine whose load moves).
 
     python -m lab.ab_engine --base 99d83ec                    # 8 B, 1 MiB, 16 MiB
     python -m lab.ab_engine --base 99d83ec --sizes 8,64K --blocks 40
+    python -m lab.ab_engine --base 7f0a641 --ops broadcast,all_gather --sizes 64K,1M
 
 The base revision is exported (git archive) and imported as package `shmcoll_ab_base`
 (its torch registration skipped); this tree is `shmcoll`. Each rank makes one group per
-version (own segments and rendezvous) and runs Group.all_reduce on float32 buffers
-allocated by torch (on 4 KiB pages, as dist.all_reduce's tensors; the groups are told
-so), verified after every block. Per size: the median over blocks of each version's
-per-call time (a block: `--calls` calls, timed as a whole, slowest rank), their ratio
-(B / A below 1: this tree is faster) and the share of blocks B won.
+version (own segments and rendezvous) and runs, per op of `--ops`, Group.all_reduce,
+Group.broadcast (root 0) or Group.all_gather (into one array, all_gather_into_tensor's
+form) on float32 buffers allocated by torch (on 4 KiB pages, as dist.*'s tensors; the
+groups are told so), verified after every block. Sizes are per rank (all_gather: the
+input). Per op and size: the median over blocks of each version's per-call time (a block:
+`--calls` calls, timed as a whole, slowest rank), their ratio (B / A below 1: this tree is
+faster) and the share of blocks B won.
 """
 
 import argparse
@@ -49,7 +52,6 @@ def _parse_size(text):
 
 def _rank(rank, path, args, queue):
     sys.path.insert(0, path)
-    import numpy as np
     import torch
 
     import shmcoll
@@ -60,39 +62,76 @@ def _rank(rank, path, args, queue):
         store = mod.FileStore(os.path.join(path, f"store-{name}"))
         groups[name] = mod.new_shm_group(store, rank, 2, small_pages=True)
     out = {}
-    for nbytes in args.sizes:
-        buf = torch.empty(nbytes // 4).numpy()
-        for g in groups.values():  # compile / load, fill the caches, touch the pages
-            buf[:] = 1.0
-            for _ in range(3):
-                g.all_reduce(buf)
-        times = {"A": [], "B": []}
-        for block in range(args.blocks):
-            for name in ("A", "B") if block % 2 == 0 else ("B", "A"):
-                g = groups[name]
-                buf[:] = 1.0
-                g.barrier()
-                t = time.perf_counter()
-                for _ in range(args.calls):
-                    g.all_reduce(buf)
-                times[name].append((time.perf_counter() - t) / args.calls)
-                if buf[0] != 2.0 ** args.calls:
-                    raise AssertionError(f"{name} {nbytes} B: got {buf[0]}")
-        out[nbytes] = times
+    for op in args.ops:
+        for nbytes in args.sizes:
+            out[op, nbytes] = _op_times(op, nbytes, rank, groups, args, torch)
     for g in groups.values():
         g.close()
     queue.put((rank, out))
+
+
+def _op_times(op, nbytes, rank, groups, args, torch):
+    """{"A": [...], "B": [...]}: per-call seconds of each block of `op` at `nbytes`."""
+    buf = torch.empty(nbytes // 4).numpy()
+    outs = torch.empty(2 * buf.size).numpy() if op == "all_gather" else None
+
+    def fill():
+        buf[:] = 1.0 if op == "all_reduce" else (rank + 1 if op == "all_gather" else
+                                                  (3.0 if rank == 0 else 0.0))
+        if outs is not None:
+            outs[:] = -1.0
+
+    def call(g):
+        if op == "all_reduce":
+            g.all_reduce(buf)
+        elif op == "broadcast":
+            g.broadcast(buf, 0)
+        else:
+            g.all_gather(outs, buf)
+
+    def check(name):
+        if op == "all_reduce":
+            ok = buf[0] == 2.0 ** args.calls and buf[-1] == buf[0]
+        elif op == "broadcast":
+            ok = bool((buf == 3.0).all())
+        else:
+            ok = bool((outs[:buf.size] == 1.0).all() and (outs[buf.size:] == 2.0).all())
+        if not ok:
+            raise AssertionError(f"{name} {op} {nbytes} B: wrong result")
+
+    for g in groups.values():  # compile / load, fill the caches, touch the pages
+        fill()
+        for _ in range(3):
+            call(g)
+    times = {"A": [], "B": []}
+    for block in range(args.blocks):
+        for name in ("A", "B") if block % 2 == 0 else ("B", "A"):
+            g = groups[name]
+            fill()
+            g.barrier()
+            t = time.perf_counter()
+            for _ in range(args.calls):
+                call(g)
+            times[name].append((time.perf_counter() - t) / args.calls)
+            check(name)
+    return times
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m lab.ab_engine",
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--base", required=True, help="git revision (version A)")
+    ap.add_argument("--ops", default="all_reduce",
+                    help="comma list of all_reduce, broadcast, all_gather")
     ap.add_argument("--sizes", default="8,1M,16M")
     ap.add_argument("--blocks", type=int, default=30, help="blocks per version and size")
     ap.add_argument("--calls", type=int, default=10, help="calls per block")
     args = ap.parse_args(argv)
     args.sizes = [_parse_size(s) for s in args.sizes.split(",")]
+    args.ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    bad = set(args.ops) - {"all_reduce", "broadcast", "all_gather"}
+    if bad:
+        ap.error(f"unknown ops {sorted(bad)}")
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory(prefix="shmcoll-ab-engine-") as tmp:
         path = str(_export(args.base, tmp))
@@ -106,12 +145,13 @@ def main(argv=None):
             p.join(60)
     print(f"A = {args.base}, B = this tree; {args.blocks} blocks of {args.calls} calls each, "
           f"alternating; slowest rank per block")
-    print(f"{'bytes':>10} {'A us':>9} {'B us':>9} {'B/A':>6} {'B won':>6}")
-    for nbytes in args.sizes:
-        a = [max(x) for x in zip(*(results[r][nbytes]["A"] for r in results))]
-        b = [max(x) for x in zip(*(results[r][nbytes]["B"] for r in results))]
+    print(f"{'op':<11} {'bytes':>10} {'A us':>9} {'B us':>9} {'B/A':>6} {'B won':>6}")
+    for key in results[0]:
+        op, nbytes = key
+        a = [max(x) for x in zip(*(results[r][key]["A"] for r in results))]
+        b = [max(x) for x in zip(*(results[r][key]["B"] for r in results))]
         won = sum(y < x for x, y in zip(a, b)) / len(a)
-        print(f"{nbytes:>10} {statistics.median(a) * 1e6:>9.2f} "
+        print(f"{op:<11} {nbytes:>10} {statistics.median(a) * 1e6:>9.2f} "
               f"{statistics.median(b) * 1e6:>9.2f} "
               f"{statistics.median(b) / statistics.median(a):>6.3f} {won:>6.0%}")
     return 0

@@ -280,6 +280,12 @@ class Group:
                                  self._arena is not None and self._arena.threads,
                                  self.small_pages)
 
+    def algorithm_name(self, name, nbytes):
+        """The name of the algorithm collective `name` of `nbytes` per rank runs with in
+        this group (algorithms.select with the group's settings; the benchmarks' traffic
+        model), None at world size 1."""
+        return None if self._arena is None else self._select(name, nbytes).__name__
+
     def _plan(self, key, name, fp, algo, nbytes, storage, spec=None, view=None):
         """Build and cache a _Plan under `key` (bounded: shapes that never repeat do not
         grow it). `storage`: the element dtype the engine moves (its itemsize sizes the

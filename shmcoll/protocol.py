@@ -125,6 +125,7 @@ from .protocol_kernels import (  # noqa: F401  (re-exported: tests, warmup.py, a
     ONE_STEP_GATHER,
     ONE_STEP_REDUCE,
     ONE_STEP_REDUCE_SCATTER,
+    STREAM_BROADCAST,
     STREAM_GATHER,
     STREAM_REDUCE,
     STREAM_RING,
@@ -467,6 +468,13 @@ class Arena:
         self._stream(i, STREAM_REDUCE, buf.view(np.uint8), size, start * size, n * size,
                      sub_nbytes, spec, _NO_BYTES)
 
+    def exchange_broadcast(self, i, buf, root, sub_nbytes):
+        """buf (uint8) = rank `root`'s buf, through the root's slot i (every rank claims
+        its slot i; only the root's is written), streamed like exchange_reduce: the root
+        copies sub-chunk k + 1 in while the others copy sub-chunk k out of its sub-slot."""
+        self._stream(i, STREAM_BROADCAST, buf, 1, 0, buf.size, sub_nbytes, None, _NO_BYTES,
+                     root)
+
     def one_step(self, seq, op_name, mode, plan, pre, post, src, out, root, timeout_s):
         """Collective `seq` when it is a single step through one slot, as one compiled call
         -- begin, claim, copy-in, post, wait, fingerprint check, consume -- instead of the
@@ -524,7 +532,7 @@ class Arena:
         arrays; all_gather into one buffer), through my slot i (claimed), streamed like
         exchange_reduce: my own bytes are copied from `inp` (still in cache from the
         copy-in), each peer's from its sub-slot."""
-        self._stream(i, STREAM_GATHER, inp, 1, 0, inp.size, sub_nbytes, None, out)
+        self._stream(i, STREAM_GATHER, inp, 1, 0, inp.size, sub_nbytes, None, out, -1)
 
     def exchange_reduce_two_shot(self, i, buf, spec):
         """buf = the reduction (ops.ReduceSpec `spec`) of every rank's buf, in rank order,
@@ -568,11 +576,13 @@ class Arena:
                 self._clock.posted(step0 + nphase)
                 return
 
-    def _stream(self, i, mode, src, itemsize, byte_offset, nbytes, sub_nbytes, spec, out):
+    def _stream(self, i, mode, src, itemsize, byte_offset, nbytes, sub_nbytes, spec, out,
+                root=-1):
         """One collective's data through slot i in sub-chunks, one step each: copy the
         sub-chunk in, post, wait for every peer, then consume every rank's copy of it
         (mode STREAM_REDUCE: reduce into src with ops.ReduceSpec `spec`; STREAM_GATHER:
-        copy into out), `src` and `out` being bytes of `itemsize`-byte elements, all in one
+        copy into out; STREAM_BROADCAST: rank `root` copies in, the others copy its copy
+        out into src), `src` and `out` being bytes of `itemsize`-byte elements, all in one
         compiled call unless a peer is late (Python then finishes that wait, consumes the
         sub-chunk and resumes the kernel after it).
 
@@ -601,13 +611,13 @@ class Arena:
                 self._seq_addr, self.frame.seq, self._posted_addr, step0, self._peer_posted,
                 peer_fp,
                 self._peer_state, self._spins, self._yield_ns, self._state_addr, self._verify, srcs,
-                self.rank, fn, op, pre, post, out, self._gil_addr, self._gil_me)
+                self.rank, root, fn, op, pre, post, out, self._gil_addr, self._gil_me)
             if fp_addr:
                 self.frame.written()
             if self._settle(step0, nsub, done, r, fp_addr):
                 return
             _consume(mode, src, byte_offset + done * sub, min(sub, nbytes - done * sub),
-                     srcs, done % STREAM_RING * sub, self.rank, fn, op, pre, post, out,
+                     srcs, done % STREAM_RING * sub, self.rank, root, fn, op, pre, post, out,
                      done * sub, nbytes)
             k = done + 1
             if k >= nsub:

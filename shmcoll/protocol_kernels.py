@@ -29,7 +29,8 @@ GIL_LEAVE_NS = 200_000
 # Sub-slots the streamed collectives cycle through (Arena._stream): 2 is the smallest ring
 # that needs no waits beyond the per-sub-chunk one (rule 6).
 STREAM_RING = 2
-STREAM_REDUCE, STREAM_GATHER = 0, 1  # what Arena._stream does with each sub-chunk
+STREAM_REDUCE, STREAM_GATHER, STREAM_BROADCAST = 0, 1, 2  # what Arena._stream does with
+# each sub-chunk (STREAM_BROADCAST: only the root copies in; the others copy the root's out)
 # what Arena.one_step does after its wait (algorithms.one_step_mode picks one)
 ONE_STEP_REDUCE, ONE_STEP_BROADCAST, ONE_STEP_GATHER, ONE_STEP_REDUCE_SCATTER = range(4)
 # Words of Arena._cfg (the one-step kernel's constants) and rows of Arena._peer_tab.
@@ -81,8 +82,8 @@ def _warm_exchange():
 def _warm_stream():
     words, w, none, srcs, cfg, tab, a, fp = _dummies()
     _stream_kernel(STREAM_REDUCE, a, 0, 0, 64, 0, 0, 0, *fp, w, 0, w + 8, 0, none, none, none,
-                   0, 0, w + 16, True, srcs, 0, 0, 0, 1.0, 1.0, _NO_BYTES, 0, 0)
-    _consume(STREAM_REDUCE, a, 0, 0, srcs, 0, 0, 0, 0, 1.0, 1.0, _NO_BYTES, 0, 0)
+                   0, 0, w + 16, True, srcs, 0, -1, 0, 0, 1.0, 1.0, _NO_BYTES, 0, 0)
+    _consume(STREAM_REDUCE, a, 0, 0, srcs, 0, 0, -1, 0, 0, 1.0, 1.0, _NO_BYTES, 0, 0)
 
 
 def _warm_two_shot():
@@ -294,27 +295,30 @@ def _exchange_steps(src, byte_offset, nbytes, dst, fp_addr, f0, f1, f2, f3, f4, 
 @jit.kernel(nogil=True)
 def _stream_kernel(mode, src, byte_offset, nbytes, sub, k0, dst, fp_addr, f0, f1, f2, f3, f4,
                    f5, f6, f7, seq_addr, seq, posted_addr, step0, peer_posted, peer_fp,
-                   peer_state, spins, yield_ns, abort_addr, verify, srcs, rank, fn, op, pre,
-                   post, out, gil_addr, gil_me):
+                   peer_state, spins, yield_ns, abort_addr, verify, srcs, rank, root, fn, op,
+                   pre, post, out, gil_addr, gil_me):
     """Arena._stream's body from sub-chunk k0 on: for each sub-chunk k, the
-    _exchange_kernel steps (posting step0 + k + 1; the fingerprint with sub-chunk 0), then
-    _consume. Returns (k, code): (count, -1) when all are done, else the sub-chunk whose
-    wait did not complete cleanly (posted, not consumed) and the wait code."""
+    _exchange_kernel steps (posting step0 + k + 1; the fingerprint with sub-chunk 0; a
+    broadcast's non-roots copy nothing in), then _consume. Returns (k, code): (count, -1)
+    when all are done, else the sub-chunk whose wait did not complete cleanly (posted,
+    not consumed) and the wait code."""
     nsub = max(1, (nbytes + sub - 1) // sub)
     _gil_enter(gil_addr, gil_me)
     for k in range(k0, nsub):
         off = k * sub
         ring = k % STREAM_RING * sub  # the sub-slot (see Arena._stream)
         m = min(sub, nbytes - off)
-        r = _exchange_steps(src, byte_offset + off, m, dst + ring, fp_addr if k == 0 else 0,
+        r = _exchange_steps(src, byte_offset + off,
+                            0 if mode == STREAM_BROADCAST and rank != root else m,
+                            dst + ring, fp_addr if k == 0 else 0,
                             f0, f1, f2, f3, f4, f5, f6, f7, seq_addr, seq, posted_addr,
                             step0 + k + 1, peer_posted, peer_fp, peer_state, spins, yield_ns,
                             abort_addr, verify)
         if r != -1:
             _gil_leave(gil_addr, gil_me, r, spins)
             return k, r
-        _consume(mode, src, byte_offset + off, m, srcs, ring, rank, fn, op, pre, post, out, off,
-                 nbytes)
+        _consume(mode, src, byte_offset + off, m, srcs, ring, rank, root, fn, op, pre, post, out,
+                 off, nbytes)
     _gil_leave(gil_addr, gil_me, _DONE, spins)
     return nsub, -1
 
@@ -376,7 +380,7 @@ def _two_shot_consume(p, buf, size, sub, srcs, rank, fn, op, pre, post):
 
 
 @jit.kernel(nogil=True)
-def _consume(mode, src, byte_offset, nbytes, srcs, ring, rank, fn, op, pre, post, out,
+def _consume(mode, src, byte_offset, nbytes, srcs, ring, rank, root, fn, op, pre, post, out,
              out_offset, stride):
     """Use every rank's copy of one sub-chunk (at srcs[j] + ring: their sub-slots, mine
     included). STREAM_REDUCE: src[chunk] = the reduction (reducer `fn`) of every rank's
@@ -384,7 +388,12 @@ def _consume(mode, src, byte_offset, nbytes, srcs, ring, rank, fn, op, pre, post
     sub-slot: the same bytes (I copied them there), but still in cache from the copy-in,
     so only the peers' sub-slots cost a cross-core transfer (one read less per byte from
     memory for large messages). STREAM_GATHER: rank j's copy goes to
-    out[j * stride + out_offset:][:nbytes]; mine straight from src, for the same reason."""
+    out[j * stride + out_offset:][:nbytes]; mine straight from src, for the same reason.
+    STREAM_BROADCAST: a non-root copies the root's sub-slot into src[chunk]."""
+    if mode == STREAM_BROADCAST:
+        if rank != root:
+            copy_bytes(src.ctypes.data + byte_offset, srcs[root] + ring, nbytes)
+        return
     if mode == STREAM_REDUCE:
         if nbytes > 0:
             call_reduce(fn, src.ctypes.data + byte_offset, srcs.ctypes.data, srcs.shape[0],

@@ -10,7 +10,8 @@ import pytest
 from shmcoll import algorithms
 from shmcoll.algorithms import (ONE_SHOT_MAX_NBYTES, all_gather_direct, all_reduce_one_shot,
                                 all_reduce_two_shot, all_to_all_direct, barrier_flags,
-                                broadcast_direct, gather_direct, reduce_direct,
+                                broadcast_direct, broadcast_streamed, gather_direct,
+                                reduce_direct,
                                 reduce_scatter_direct, scatter_direct, select)
 
 FIXED = {
@@ -60,7 +61,23 @@ def test_direct_max_override(override):
 def test_fixed_choices(collective):
     for nbytes, world_size, override in itertools.product([0, 1, 1 << 20, 1 << 34], [2, 3, 4, 8],
                                                           [-1, 0, 1 << 20]):
-        assert select(collective, nbytes, world_size, override) is FIXED[collective]
+        expected = FIXED[collective]
+        if collective == "broadcast" and nbytes >= algorithms.BROADCAST_STREAMED_MIN_NBYTES:
+            expected = broadcast_streamed
+        assert select(collective, nbytes, world_size, override) is expected
+        assert select(collective, nbytes, world_size, override, threads=True) is \
+            FIXED[collective]
+
+
+def test_broadcast_streams_large_messages():
+    """broadcast: one compiled step below the threshold, streamed (root's copy-in and the
+    others' copy-out overlapping) from it on, for processes only."""
+    limit = algorithms.BROADCAST_STREAMED_MIN_NBYTES
+    assert limit == 8 << 20
+    for world_size in (2, 3, 4, 8):
+        assert select("broadcast", limit - 1, world_size) is broadcast_direct
+        assert select("broadcast", limit, world_size) is broadcast_streamed
+        assert select("broadcast", limit, world_size, threads=True) is broadcast_direct
 
 
 def test_unknown_collective():

@@ -12,14 +12,14 @@ from .all_reduce import STREAM_NBYTES, all_reduce_one_shot, all_reduce_single_co
     all_reduce_two_shot, one_shot_sub_nbytes
 from .all_to_all import all_to_all_direct
 from .barrier import barrier_flags
-from .broadcast import broadcast_direct, broadcast_single_copy
+from .broadcast import broadcast_direct, broadcast_single_copy, broadcast_streamed
 from .gather import gather_direct
 from .reduce import reduce_direct
 from .reduce_scatter import reduce_scatter_direct, reduce_scatter_single_copy
 from .scatter import scatter_direct
 
 __all__ = ["select", "one_step_mode", "ONE_SHOT_MAX_NBYTES", "SINGLE_COPY_MIN",
-           "SINGLE_COPY_SMALL_PAGES_MAX"]
+           "SINGLE_COPY_SMALL_PAGES_MAX", "BROADCAST_STREAMED_MIN_NBYTES"]
 
 # all_reduce one-shot vs two-shot cut-over, by world size. One-shot reads N*S per rank and
 # needs one wait per sub-chunk; two-shot reads ~2*S but needs two waits (both run as one
@@ -70,6 +70,21 @@ SINGLE_COPY_SMALL_PAGES_MAX = {CMA: {"all_reduce": (16 << 20, 2)}}
 _SINGLE_COPY = {"all_reduce": all_reduce_single_copy, "all_gather": all_gather_single_copy,
                 "broadcast": broadcast_single_copy, "reduce_scatter": reduce_scatter_single_copy}
 
+# broadcast: below this size broadcast_direct (up to a slot, 4 MiB by default, one
+# compiled call, Arena.one_step: the root's copy-in, then the others' copy-out; above, a
+# slot per chunk, chunk c + 1's copy-in overlapping chunk c's copy-out), from it on
+# broadcast_streamed (the copies overlap sub-chunk by sub-chunk, but each call takes the
+# general path's Python and a hand-over per sub-chunk, which costs whenever a rank is
+# descheduled). Measured at 2 ranks, engine level, alternating blocks in one run (torch
+# buffers; the root's rewritten before every call in all but the first two runs),
+# 2026-11-28 on the shared 2-core VM at load 1-6, streamed (512 KiB sub-chunks) / direct
+# time, run by run: 1 MiB 0.89 1.06 1.38 0.90 1.74; 4 MiB 1.17 1.24 0.78 0.86 0.89 0.89
+# 1.25 1.17 (lab.ab_engine: 0.97 0.85 1.52) -- a toss-up, so up to 8 MiB it stays
+# direct; 8 MiB 0.87 0.93 0.98; 12 MiB 0.86; 16 MiB 0.63 1.21 0.85 1.03 0.94 0.73 1.17
+# (lab.ab_engine: 0.95 0.89 0.93); 64 MiB 0.95. At 256 KiB it lost 2x in every run.
+# Rank threads (not measured) keep broadcast_direct.
+BROADCAST_STREAMED_MIN_NBYTES = 8 << 20
+
 _FIXED = {
     "broadcast": broadcast_direct,
     "reduce": reduce_direct,
@@ -109,6 +124,8 @@ def select(collective, nbytes, world_size, direct_max_nbytes=-1, single_copy=NON
                 world_size, ONE_SHOT_MAX_NBYTES_THREADS_DEFAULT) if threads else \
                 ONE_SHOT_MAX_NBYTES.get(world_size, ONE_SHOT_MAX_NBYTES_DEFAULT)
         return all_reduce_one_shot if nbytes <= limit else all_reduce_two_shot
+    if collective == "broadcast" and not threads and nbytes >= BROADCAST_STREAMED_MIN_NBYTES:
+        return broadcast_streamed
     try:
         return _FIXED[collective]
     except KeyError:

@@ -1,0 +1,41 @@
+"""benchmarks/traffic.py: every algorithm select() can pick for the benchmarked collectives
+has a traffic model, and the ceiling table reads the rows it is given."""
+
+import itertools
+
+from benchmarks.traffic import MODEL, bytes_per_rank, ceiling_table, per_rank_bytes
+from shmcoll.algorithms import select
+from shmcoll.single_copy import CMA, IN_PROCESS, NONE
+
+
+def test_every_selectable_algorithm_has_a_model():
+    ops = ("all_reduce", "broadcast", "all_gather", "reduce_scatter")
+    for op, nbytes, world, mode, always, threads, small in itertools.product(
+            ops, [8, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 1 << 30], [2, 3, 4, 8],
+            [NONE, IN_PROCESS, CMA], [False, True], [False, True], [False, True]):
+        name = select(op, nbytes, world, -1, mode, always, threads, small).__name__
+        assert name in MODEL, (op, nbytes, world, name)
+        assert bytes_per_rank(name, op, nbytes, world) > 0
+
+
+def test_model_numbers():
+    s = 1 << 20
+    assert bytes_per_rank("broadcast_direct", "broadcast", s, 2) == 4 * s
+    assert bytes_per_rank("all_reduce_one_shot", "all_reduce", s, 2) == 5 * s
+    # all_gather's nbytes is the gathered output: S is the input
+    assert per_rank_bytes("all_gather", 2 * s, 2) == s
+    assert bytes_per_rank("all_gather_direct", "all_gather", 2 * s, 2) == 6 * s
+    assert bytes_per_rank("no_such_algorithm", "broadcast", s, 2) is None
+
+
+def test_ceiling_table():
+    rows = [{"record": "row", "backend": "shm", "op": "broadcast", "world_size": 2,
+             "nbytes": 1 << 20, "time_us": 200.0, "wrong": 0, "algorithm": "broadcast_direct"},
+            {"record": "row", "backend": "mpi4py", "op": "broadcast", "world_size": 2,
+             "nbytes": 1 << 20, "time_us": 100.0, "wrong": 0}]
+    text = ceiling_table(rows, {1 << 20: 40e9})
+    lines = text.strip().splitlines()
+    assert len(lines) == 3  # title, head, the shm row only
+    # 4 MiB at 40 GB/s: 104.86 us of a 200 us row
+    assert "broadcast_direct" in lines[2] and "104.86" in lines[2] and "0.524" in lines[2]
+    assert ceiling_table(rows[1:], {1 << 20: 40e9}) == ""
