@@ -29,14 +29,15 @@ import time
 
 import numpy as np
 
-from . import atomics, kernels, p2p, protocol
+from . import compiled
 from .init_phases import phase
+from .op_codes import OP_SUM
 
 __all__ = ["warm_up", "warm_up_async", "wait_ready", "ensure", "FIRST_REDUCERS"]
 
 # (kind, storage, kernel op): what a first collective nearly always reduces (a dtype, as
 # ops.reduce_spec asks for it: kernels.reducer caches by the value it is given)
-FIRST_REDUCERS = (("float", np.dtype(np.float32), kernels.OP_SUM),)
+FIRST_REDUCERS = (("float", np.dtype(np.float32), OP_SUM),)
 
 _lock = threading.Lock()
 _ready = threading.Event()
@@ -51,20 +52,23 @@ def warm_up(reducers=None):
         try:
             with phase("numba's CPU target"):
                 _ready_numba()
+            with phase("kernels: import"):  # numba's modules and ours (compiled.py)
+                atomics, kernels = compiled.atomics, compiled.kernels
+                protocol_kernels, p2p_cells = compiled.protocol_kernels, compiled.p2p_cells
             with phase("kernels: atomics"):
                 atomics.warm_up()
             with phase("kernels: one-step"):
-                protocol.warm_up_one_step()
+                protocol_kernels.warm_up_one_step()
             if reducers is None:
-                protocol.warm_up()
+                protocol_kernels.warm_up()
                 kernels.warm_up()
-                p2p.ensure_kernels()
+                p2p_cells.ensure_kernels()
             else:
                 for kind, storage, op in reducers:
                     with phase(f"kernels: {np.dtype(storage)} {kind} reducer"):
                         kernels.reducer(storage, kind, op)
                 with phase("kernels: p2p progress wait"):
-                    p2p.ensure_progress_wait()
+                    p2p_cells.ensure_progress_wait()
         finally:
             _ready.set()  # a failed warm-up must not block the first call (ensure raises)
     return time.perf_counter() - t0
@@ -97,9 +101,9 @@ def ensure(timeout_s=None):
     raised here, in the caller). True when the kernels are loaded."""
     if not _ready.wait(timeout_s):
         return False
-    atomics.warm_up()
-    protocol.warm_up_one_step()
-    p2p.ensure_progress_wait()
+    compiled.atomics.warm_up()
+    compiled.protocol_kernels.warm_up_one_step()
+    compiled.p2p_cells.ensure_progress_wait()
     return True
 
 
