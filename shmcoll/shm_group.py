@@ -17,8 +17,13 @@ def new_shm_group(store, rank, world_size, timeout_s=1800.0, cfg=None, name="",
                   small_pages=None, ranks_here=None, yield_ns=None):
     """Rendezvous through `store` (set/get/add, e.g. a c10d Store or shmcoll.FileStore) and
     return a ready Group. Every rank of the group must call this with the same arguments.
-    The kernels load in a thread started here (warmup.py); the group is returned without
-    waiting for them, and its first call waits (Group.wait_kernels).
+    The kernels load in a thread started here, once the group is made (warmup.py); the
+    group is returned without waiting for them, and its first call waits
+    (Group.wait_kernels). The thread starts after the rendezvous, not before: it imports
+    numba (~0.3 s of imports, then ~0.6 s readying numba's CPU target), which holds the GIL
+    in stretches of up to the switch interval (5 ms), and every return of the rendezvous
+    from a store wait or a syscall would queue behind it
+    (docs/notes/2026-11-28-warm-init-2.md).
     `small_pages`: whether this rank's buffers are likely on 4 KiB pages (see pages.py;
     None: numpy's arrays); the group takes True if any rank says so. `ranks_here`: busy
     ranks on this machine when the group is one node of several sharing it (simulated
@@ -30,7 +35,6 @@ def new_shm_group(store, rank, world_size, timeout_s=1800.0, cfg=None, name="",
     # first, and a module already imported by it would run twice (runpy warns).
     from .warmup import ensure, wait_ready, warm_up_async
     cfg = cfg or _config.from_env()
-    warm_up_async()  # load kernels from numba's cache while the rendezvous waits on peers
     if world_size == 1:  # no shared memory; a private region carries self-sends
         layout = RegionLayout(64, 2, 1, _config.p2p_cells(cfg, 1), cfg.p2p_cell_nbytes)
         p2p = P2PEngine([np.zeros(layout.nbytes, np.uint8)], 0, layout, lambda peer: True,
@@ -38,6 +42,7 @@ def new_shm_group(store, rank, world_size, timeout_s=1800.0, cfg=None, name="",
         group = Group(None, 0, 1, timeout_s, cfg.direct_max_nbytes, closers=[p2p.close],
                       name=name, aborter=p2p.abort)
         group.attach_p2p(p2p)
+        warm_up_async()
         return group
     layout = RegionLayout(cfg.slot_nbytes, cfg.nslots, world_size,
                           _config.p2p_cells(cfg, world_size), cfg.p2p_cell_nbytes)
@@ -67,4 +72,5 @@ def new_shm_group(store, rank, world_size, timeout_s=1800.0, cfg=None, name="",
                   aborter=p2p.abort, single_copy_always=cfg.single_copy == "always",
                   small_pages=regions.small_pages, kernels=ensure)
     group.attach_p2p(p2p)
+    warm_up_async()  # the kernels load from here on; the first call waits for them
     return group

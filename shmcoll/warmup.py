@@ -4,12 +4,14 @@
 on the 2-core VM, once per machine, Python and numba version); nothing needs it, but it
 takes the cold start (docs/COLD_START.md) out of a first job, e.g. in a container image.
 
-Every group starts `warm_up_async()` at creation, before its store rendezvous: a thread
-that readies numba itself, then loads what nearly every first call needs: the atomics,
+Every group starts `warm_up_async()` at creation, once its store rendezvous is done (the
+creation itself imports no numba: compiled.py): a thread that imports and readies numba
+itself, then loads what nearly every first call needs: the atomics,
 the one-step kernel (small collectives; it moves bytes, the same for every dtype), the
 float32 sum reducer and the point-to-point progress thread's wait. Warm, loading them takes
 ~0.05 s; readying numba (its CPU target: numba imports its implementations, scipy's BLAS
-among them) takes 0.3-1.5 s and is most of a warm init. The group does not wait for it:
+among them) takes 0.3-1.5 s, most of what a warm first call waits for. The group does not
+wait for it:
 its first call does (`ensure`, through Group's kernel gate), so init_process_group
 returns after the rendezvous and the loading overlaps whatever the program does before
 its first collective. Nothing loads beside a collective: loading holds the GIL and a core,
