@@ -24,7 +24,6 @@ from ..errors import GroupAbortedError
 from ..hier import discover, new_hier_group
 from ..init_phases import phase
 from . import checks
-from .inter_node import make_transport
 from .process_group import EngineProcessGroup, ShmOptions
 from .work import torch_error
 
@@ -83,6 +82,7 @@ class HierProcessGroup(EngineProcessGroup):
 
     def __init__(self, store, rank, size, layout, options):
         from ..pages import torch_buffers_small_pages
+        from .inter_node import make_transport  # gloo channels: only a group on several nodes
 
         group = new_hier_group(store, rank, layout, make_transport,
                                timeout_s=options._timeout.total_seconds(),
