@@ -14,7 +14,7 @@ __all__ = ["new_shm_group"]
 
 
 def new_shm_group(store, rank, world_size, timeout_s=1800.0, cfg=None, name="",
-                  small_pages=None, ranks_here=None, yield_ns=None):
+                  small_pages=None, ranks_here=None, yield_ns=None, token=None):
     """Rendezvous through `store` (set/get/add, e.g. a c10d Store or shmcoll.FileStore) and
     return a ready Group. Every rank of the group must call this with the same arguments.
     The kernels load in a thread started here, once the group is made (warmup.py); the
@@ -28,7 +28,10 @@ def new_shm_group(store, rank, world_size, timeout_s=1800.0, cfg=None, name="",
     None: numpy's arrays); the group takes True if any rank says so. `ranks_here`: busy
     ranks on this machine when the group is one node of several sharing it (simulated
     or namespaced nodes): they decide, with the cores, whether waits may spin. `yield_ns`:
-    the waits' sched_yield tier when not protocol.YIELD_NS (see hier/__init__.py)."""
+    the waits' sched_yield tier when not protocol.YIELD_NS (see hier/__init__.py).
+    `token`: a random hex group token every rank already has (node discovery's:
+    torch_backend.new_process_group), the same on every rank; None: rank 0 makes one and
+    the ranks read it in a store round (shm.ShmRegions)."""
     if not 0 <= rank < world_size:
         raise ValueError(f"new_shm_group: rank {rank} is outside world size {world_size}")
     # Imported here, not at module level: `python -m shmcoll.warmup` imports the package
@@ -50,7 +53,7 @@ def new_shm_group(store, rank, world_size, timeout_s=1800.0, cfg=None, name="",
         small_pages = numpy_buffers_small_pages()
     with phase("segments"):
         regions = ShmRegions(store, rank, world_size, layout, timeout_s, cfg.shm_dir,
-                             cfg.single_copy, small_pages)
+                             cfg.single_copy, small_pages, token)
     liveness = PidLiveness(regions.pids)
     spin = {"spin": False, "yield": True}.get(cfg.spin,
                                               is_oversubscribed(ranks_here or world_size))
