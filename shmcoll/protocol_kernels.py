@@ -70,7 +70,7 @@ def warm_up():
 # The protocol kernels, in sets compiled on first use (jit.once), with exactly the argument
 # types Arena passes. They move bytes, so one compilation serves every dtype (a reduction
 # is a call through ops.ReduceSpec.fn). An Arena loads the one-step kernel when it is made
-# (a group's warm-up does it earlier, during the rendezvous); the others load when a
+# (a group's warm-up does it earlier, right after the rendezvous); the others load when a
 # collective first needs them (cold: 0.1-0.4 s each, 2-core VM).
 
 def _dummies():
