@@ -29,11 +29,11 @@ __all__ = ["build", "PARTS", "ALL", "main"]
 
 
 def _warm_protocol():
-    from . import atomics, kernels, p2p, protocol
+    from . import atomics, kernels, p2p_cells, protocol_kernels
     atomics.warm_up()
-    protocol.warm_up_one_step()
-    protocol.warm_up()
-    p2p.ensure_kernels()
+    protocol_kernels.warm_up_one_step()
+    protocol_kernels.warm_up()
+    p2p_cells.ensure_kernels()
     kernels.warm_up(kernels.KINDS_16, python_call=False)  # evens out the two children
 
 

@@ -258,8 +258,9 @@ def _kernel_functions():
     int/float/complex, and per 16-bit kind."""
     import numpy as np
     import numba
-    from . import atomics, kernels, p2p_cells, protocol_kernels, single_copy
-    funcs = [d.py_func for mod in (atomics, kernels, protocol_kernels, single_copy, p2p_cells)
+    from . import atomics, kernels, p2p_cells, protocol_kernels, single_copy_kernels
+    funcs = [d.py_func for mod in (atomics, kernels, protocol_kernels, single_copy_kernels,
+                                   p2p_cells)
              for d in vars(mod).values()
              if isinstance(d, numba.core.dispatcher.Dispatcher) and d.__module__ == mod.__name__]
     same = {np.dtype(d) for k in ("int", "float", "complex") for d in kernels.KINDS[k]}

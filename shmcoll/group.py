@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from . import algorithms
+from . import algorithms, compiled
 from .errors import CollectiveMismatchError, CollectiveTimeoutError, ShmcollError
 from .group_args import _all_to_all_args, _bytes, _check_arrays, _code_of, _Flat, _shape
 from .ops import DTYPE_BY_CODE, ReduceOp, dtype_of, reduce_spec
@@ -711,9 +711,8 @@ _MAX_PLANS = 256
 # world_size == 1: the same semantics without any shared memory.
 def _local_reduce(arena, flat, spec):
     if flat.size and (spec.pre != 1.0 or spec.post != 1.0):
-        from .kernels import reduce_into
-        reduce_into(flat, np.array([flat.ctypes.data], np.int64), spec.op, spec.kind,
-                    spec.pre, spec.post)
+        compiled.kernels.reduce_into(flat, np.array([flat.ctypes.data], np.int64), spec.op,
+                                     spec.kind, spec.pre, spec.post)
 
 
 def _local_reduce_rooted(arena, flat, root, spec):

@@ -18,6 +18,11 @@ and writes numba's cache, the others wait and then load the result (numba looks 
 cache before it compiles). The kernel drops a flock when its holder dies, so a killed rank
 never leaves the lock held; a waiter gives up after SHMCOLL_COMPILE_TIMEOUT_S with a
 CollectiveTimeoutError naming what it waited for and the holder's pid.
+
+Importing this module imports no numba (nor prebuilt.py, which does): `once` and `is_done`
+are on the path of every collective, and a group's creation imports no numba
+(compiled.py). The first `kernel` / `cfunc`, run as a kernel module defines its kernels,
+imports it and gives it a cache directory.
 """
 
 import contextlib
@@ -29,10 +34,7 @@ import tempfile
 import threading
 import time
 
-import numba
-from numba.core.dispatcher import Dispatcher
-
-from . import config, prebuilt
+from . import config
 from .errors import CollectiveTimeoutError
 
 __all__ = ["kernel", "cfunc", "compiling", "once", "is_done", "cache_dir", "cached_entries",
@@ -52,6 +54,11 @@ _fd = None  # the lock file, opened once per process (reopened after a fork); Fa
 def kernel(**options):
     """Decorator: numba.njit(**options) with shmcoll's kernel cache (the shipped kernels,
     then numba's cache; prebuilt.py) instead of cache=True."""
+    numba = _numba()
+    from numba.core.dispatcher import Dispatcher
+
+    from . import prebuilt
+
     def decorate(fn):
         disp = numba.njit(**options)(fn)
         if isinstance(disp, Dispatcher):  # not under NUMBA_DISABLE_JIT
@@ -63,12 +70,31 @@ def kernel(**options):
 def cfunc(sig, fn):
     """numba.cfunc(sig)(fn) with shmcoll's kernel cache, loaded or compiled now (as
     numba.cfunc does)."""
+    _numba()
     from numba.core import sigutils
     from numba.core.ccallback import CFunc
+
+    from . import prebuilt
     cf = CFunc(fn, sigutils.normalize_signature(sig), locals={}, options={})
     cf._cache = prebuilt.KernelCache(fn)
     cf.compile()
     return cf
+
+
+_numba_ready = False  # whether _numba() has given numba a cache directory
+
+
+def _numba():
+    """numba, imported here, by the first kernel a module defines (this module imports no
+    numba: `jit.once` and the compile lock are on the path of every collective, and the
+    creation of a group must not import numba; compiled.py), with a writable cache
+    directory for shmcoll's kernels (_ensure_cache_dir) before any is defined."""
+    global _numba_ready
+    import numba
+    if not _numba_ready:
+        _ensure_cache_dir()
+        _numba_ready = True
+    return numba
 
 
 def _probe():
@@ -107,6 +133,7 @@ def cached_entries(py_func):
 
 def _ensure_cache_dir():
     """Give numba a writable cache directory when it finds none for this package."""
+    import numba
     if numba.config.CACHE_DIR:
         return
     try:
@@ -135,6 +162,7 @@ def _lock_fd():
     """The lock file's descriptor, or None where there can be none (said once)."""
     global _fd
     if _fd is None:
+        _numba()  # the lock lies in numba's cache directory for shmcoll (given one first)
         where = cache_dir()
         try:
             if where is None:
@@ -247,5 +275,3 @@ def is_done(what):
     """Whether once(what, ...) has built it in this process."""
     return what in _done
 
-
-_ensure_cache_dir()

@@ -44,14 +44,13 @@ from numba import types
 from numba.extending import intrinsic
 
 from . import jit
+from .op_codes import OP_BAND, OP_BOR, OP_BXOR, OP_MAX, OP_MIN, OP_PRODUCT, OP_SUM
 
 __all__ = [
     "reducer", "call_reduce", "reduce_into", "reduce_unchecked",
     "OP_SUM", "OP_PRODUCT", "OP_MIN", "OP_MAX", "OP_BAND", "OP_BOR", "OP_BXOR",
     "KINDS", "warm_up", "f16_to_f32", "f32_to_f16", "bf16_to_f32", "f32_to_bf16",
 ]
-
-OP_SUM, OP_PRODUCT, OP_MIN, OP_MAX, OP_BAND, OP_BOR, OP_BXOR = range(7)
 
 _jit = jit.kernel(nogil=True, boundscheck=False)
 

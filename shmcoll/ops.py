@@ -5,7 +5,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import kernels
+from . import compiled
+from .op_codes import OP_BAND, OP_BOR, OP_BXOR, OP_MAX, OP_MIN, OP_PRODUCT, OP_SUM
 
 __all__ = ["ReduceOp", "DTYPES", "DType", "ReduceSpec", "reduce_spec", "dtype_of"]
 
@@ -68,14 +69,14 @@ _OPS_BY_KIND = {
 _OPS_BY_KIND["float16"] = _OPS_BY_KIND["bfloat16"] = _OPS_BY_KIND["float"]
 
 _KERNEL_OP = {
-    ReduceOp.SUM: kernels.OP_SUM, ReduceOp.AVG: kernels.OP_SUM,
-    ReduceOp.PREMUL_SUM: kernels.OP_SUM, ReduceOp.PRODUCT: kernels.OP_PRODUCT,
-    ReduceOp.MIN: kernels.OP_MIN, ReduceOp.MAX: kernels.OP_MAX, ReduceOp.BAND: kernels.OP_BAND,
-    ReduceOp.BOR: kernels.OP_BOR, ReduceOp.BXOR: kernels.OP_BXOR,
+    ReduceOp.SUM: OP_SUM, ReduceOp.AVG: OP_SUM,
+    ReduceOp.PREMUL_SUM: OP_SUM, ReduceOp.PRODUCT: OP_PRODUCT,
+    ReduceOp.MIN: OP_MIN, ReduceOp.MAX: OP_MAX, ReduceOp.BAND: OP_BAND,
+    ReduceOp.BOR: OP_BOR, ReduceOp.BXOR: OP_BXOR,
 }
 # bool reduces as logical ops on 0/1 bytes: SUM/MAX are "any", PRODUCT/MIN are "all".
-_BOOL_OP = {ReduceOp.SUM: kernels.OP_BOR, ReduceOp.MAX: kernels.OP_BOR,
-            ReduceOp.PRODUCT: kernels.OP_BAND, ReduceOp.MIN: kernels.OP_BAND}
+_BOOL_OP = {ReduceOp.SUM: OP_BOR, ReduceOp.MAX: OP_BOR,
+            ReduceOp.PRODUCT: OP_BAND, ReduceOp.MIN: OP_BAND}
 
 
 @dataclass(frozen=True)
@@ -131,8 +132,10 @@ def _make_spec(op, dtype, world_size, collective, premul):
                         f"(supported: {names})")
     if dtype.kind == "bool":
         kop = _BOOL_OP.get(op, _KERNEL_OP[op])
-        return ReduceSpec("bool", kop, fn=kernels.reducer(dtype.storage, "bool", kop))
+        return ReduceSpec("bool", kop,
+                          fn=compiled.kernels.reducer(dtype.storage, "bool", kop))
     pre = float(premul) if op == ReduceOp.PREMUL_SUM else 1.0
     post = 1.0 / world_size if op == ReduceOp.AVG else 1.0
     kop = _KERNEL_OP[op]
-    return ReduceSpec(dtype.kind, kop, pre, post, kernels.reducer(dtype.storage, dtype.kind, kop))
+    return ReduceSpec(dtype.kind, kop, pre, post,
+                      compiled.kernels.reducer(dtype.storage, dtype.kind, kop))

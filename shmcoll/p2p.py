@@ -62,26 +62,29 @@ import time
 
 import numpy as np
 
-from . import jit
-from .atomics import read_acquire, write_release
-from .atomics import warm_up as atomics_warm_up
+from . import compiled, jit
 from .errors import CollectiveMismatchError, CollectiveTimeoutError, GroupAbortedError, \
     PeerLostError, ShmcollError
-from .p2p_cells import (  # noqa: F401  (ensure_*: re-exported for warmup.py)
-    _CELL_KERNELS,
-    _NEVER,
-    ANY_SOURCE,
-    _ncells,
-    _peek_cell,
-    _push_cells,
-    _take_cells,
-    ensure_kernels,
-    ensure_progress_wait,
-)
 from .p2p_progress import ProgressLoop
 from .protocol import LINE_NBYTES, SPINS, STATE_ABORTED, STATE_CLOSED, STATE_LIVE, W_STATE
+from .protocol_layout import _CELL_KERNELS, _NEVER, ANY_SOURCE
 
 __all__ = ["P2PEngine", "Request", "ANY_SOURCE", "ensure_kernels", "ensure_progress_wait"]
+
+
+def ensure_kernels():
+    """Load the cell kernels (p2p_cells.ensure_kernels; imported on first use: compiled.py)."""
+    compiled.p2p_cells.ensure_kernels()
+
+
+def ensure_progress_wait():
+    """Load the progress thread's wait (p2p_cells.ensure_progress_wait)."""
+    compiled.p2p_cells.ensure_progress_wait()
+
+
+def _ncells(nbytes, cell_nbytes):
+    """Cells a message takes (a 0-byte message still takes one)."""
+    return max(1, -(-nbytes // cell_nbytes))
 
 log = logging.getLogger("shmcoll")
 _DISCARD = np.zeros(1, np.uint8)  # buf argument when a dropped message is drained
@@ -236,14 +239,15 @@ class P2PEngine:
         return self._post(self._post_recv, req)
 
     def _post(self, fn, req):
-        ensure_kernels()
+        compiled.p2p_cells.ensure_kernels()
         if req.buf.dtype != np.uint8 or req.buf.ndim != 1 or not req.buf.flags.c_contiguous:
             raise ValueError(f"{req.describe()}: the engine moves flat C-contiguous uint8 "
                              f"buffers, got {req.buf.dtype} {req.buf.shape}")
         with self._lock:
             if self._failed is not None:
                 raise _copy_error(self._failed)
-            if self._closed or read_acquire(self._state[self.rank]) != STATE_LIVE:
+            if self._closed or \
+                    compiled.atomics.read_acquire(self._state[self.rank]) != STATE_LIVE:
                 raise GroupAbortedError(f"{req.describe()}: the group was aborted or closed on "
                                         f"rank {self.rank}")
             fn(req)
@@ -293,7 +297,7 @@ class P2PEngine:
         wrote = False
         while q:
             req = q[0]
-            sent, self._room[dst], req.cells = _push_cells(
+            sent, self._room[dst], req.cells = compiled.p2p_cells._push_cells(
                 self._out[dst], self._out_addr[dst], self._K, self._stride, self._sent[dst],
                 self._room[dst], self._peer_consumed[dst], req.buf, req.cells, req.msg, req.tag)
             wrote = wrote or sent != self._sent[dst]
@@ -310,7 +314,7 @@ class P2PEngine:
         if not jit.is_done(_CELL_KERNELS):
             if not self._arrived():
                 return False
-            ensure_kernels()  # the first message reached this process
+            compiled.p2p_cells.ensure_kernels()  # the first message reached this process
         did = False
         for src in range(self.world_size):
             for _ in range(self._K):  # bounded, so one busy sender cannot starve the rest
@@ -321,6 +325,7 @@ class P2PEngine:
 
     def _arrived(self):
         """Whether the next cell from any source is there (rule 3's test, without a kernel)."""
+        read_acquire = compiled.atomics.read_acquire
         return any(read_acquire(self._in_addr[s] + (self._taken[s] % self._K) * self._stride)
                    >= self._taken[s] + 1 for s in range(self.world_size))
 
@@ -328,8 +333,8 @@ class P2PEngine:
         """Consume the cells from src that are there (rule 3); True if any consumed."""
         cur = self._incoming[src]
         if cur is None:  # the next cell starts a message: match it first
-            ready, msg, tag, total, off, nb = _peek_cell(self._in[src], self._in_addr[src],
-                                                         self._K, self._stride, self._taken[src])
+            ready, msg, tag, total, off, nb = compiled.p2p_cells._peek_cell(
+                self._in[src], self._in_addr[src], self._K, self._stride, self._taken[src])
             if not ready:
                 return False
             if msg != self._msg_in[src] + 1 or off != 0 or not 0 <= total <= _MAX_TOTAL:
@@ -337,7 +342,7 @@ class P2PEngine:
             self._msg_in[src] = msg
             cur = self._incoming[src] = self._start_message(src, msg, tag, total)
         buf = _DISCARD if cur.buf is None else cur.buf
-        taken, cells, bad = _take_cells(
+        taken, cells, bad = compiled.p2p_cells._take_cells(
             self._in[src], self._in_addr[src], self._K, self._stride, self._taken[src],
             self._my_consumed[src], buf, cur.buf is not None, cur.msg, cur.tag, cur.total,
             cur.cells)
@@ -446,7 +451,7 @@ class P2PEngine:
         for p in peers:
             if p == self.rank:
                 continue
-            state = int(read_acquire(self._state[p]))
+            state = int(compiled.atomics.read_acquire(self._state[p]))
             if state == STATE_ABORTED:
                 return GroupAbortedError(
                     f"[Rank {self.rank}] {req.describe()}: rank {p} aborted the group; this "
@@ -480,8 +485,8 @@ class P2PEngine:
         with self._lock:
             if self._failed is None:
                 self._failed = error
-                if read_acquire(self._state[self.rank]) == STATE_LIVE:
-                    write_release(self._state[self.rank], STATE_ABORTED)
+                if compiled.atomics.read_acquire(self._state[self.rank]) == STATE_LIVE:
+                    compiled.atomics.write_release(self._state[self.rank], STATE_ABORTED)
         if self.on_fatal is not None:
             self.on_fatal(error)
         self.fail_all(None, None)
@@ -508,12 +513,12 @@ class P2PEngine:
 
     def abort(self):
         """Fail pending ops soon (the thread sees the abort word); callable from any thread."""
-        atomics_warm_up()  # an abort may come before the group's first call loaded them
+        compiled.atomics.warm_up()  # an abort may come before the group's first call loaded them
         with self._lock:
             if self._closed:  # the regions may be unmapped already
                 return
-            if read_acquire(self._state[self.rank]) == STATE_LIVE:
-                write_release(self._state[self.rank], STATE_ABORTED)
+            if compiled.atomics.read_acquire(self._state[self.rank]) == STATE_LIVE:
+                compiled.atomics.write_release(self._state[self.rank], STATE_ABORTED)
         self._loop.wake()
 
     def close(self, join_timeout_s=10.0):

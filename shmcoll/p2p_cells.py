@@ -2,30 +2,19 @@
 write, peek at and take cells (rules 1-3 of p2p.py's docstring, which draws the cell), and
 the kernel sets that load them and the progress thread's wait on first use (jit.once).
 
-Also the engine's (p2p.py) two constants: ANY_SOURCE and the wait target _NEVER. p2p.py
-re-exports ANY_SOURCE and ensure_kernels; the progress thread (p2p_progress.py) takes
-ensure_progress_wait from here.
+The engine (p2p.py) and its progress thread (p2p_progress.py) reach these through
+compiled.p2p_cells (they import no numba); the engine's constants (ANY_SOURCE, the wait
+target _NEVER, the kernel sets' names) are in protocol_layout.py.
 """
 
 import numpy as np
 
 from . import atomics, jit
 from .atomics import copy_bytes, load_acquire, store_release, wait_any_ge
-from .protocol import LINE_NBYTES
+from .protocol_layout import _CELL_KERNELS, _PROGRESS_WAIT, LINE_NBYTES
 
-ANY_SOURCE = -1
 _H_SEQ, _H_MSG, _H_TAG, _H_TOTAL, _H_OFFSET, _H_NBYTES = range(6)
 _HDR = LINE_NBYTES  # a cell's header line; the payload follows
-_NEVER = np.iinfo(np.int64).max
-
-
-def _ncells(nbytes, cell_nbytes):
-    """Cells a message takes (a 0-byte message still takes one)."""
-    return max(1, -(-nbytes // cell_nbytes))
-
-
-_CELL_KERNELS = "shmcoll's point-to-point kernels"
-_PROGRESS_WAIT = "shmcoll's point-to-point progress wait"
 
 
 def _warm_progress_wait():

@@ -13,9 +13,8 @@ engine calls the loop's start(), wake() (after a post) and stop() (close).
 
 import threading
 
-from .atomics import read_acquire, wait_any_ge
+from . import compiled
 from .errors import GroupAbortedError, PeerLostError, ShmcollError
-from .p2p_cells import ensure_progress_wait
 from .protocol import SLEEP_MAX_S, SLEEP_MIN_S, STATE_LIVE, YIELD_NS
 
 __all__ = ["ProgressLoop", "IDLE_SLEEP_MAX_S"]
@@ -68,7 +67,8 @@ class ProgressLoop:
             while self._ready is not None and not self._ready(0.05):
                 if self._stopping:
                     return
-            ensure_progress_wait()  # loaded by the group's warm-up by now (warmup.py)
+            compiled.p2p_cells.ensure_progress_wait()  # loaded by the warm-up by now (warmup.py)
+            read_acquire = compiled.atomics.read_acquire
             while not self._stopping:
                 did, pending, addrs, targets = engine.progress()
                 if read_acquire(self._my_state) != STATE_LIVE:
@@ -101,6 +101,7 @@ class ProgressLoop:
         """
         first = pending and sleep_s == SLEEP_MIN_S
         my_state = self._my_state
+        wait_any_ge = compiled.atomics.wait_any_ge
         r = wait_any_ge(addrs, targets, self._spins if first else 0, YIELD_NS if first else 0,
                         my_state)
         while r == -1 and not self._stopping:

@@ -97,8 +97,10 @@ fingerprints are compared, never used as lengths.
 Where the code is: this module holds the Arena (framing, slots, post/wait, the compiled
 drivers, single copy, lifecycle: one class in sections, over its views and addresses of the
 regions) and re-exports the names of the others: protocol_layout.py (the numbers of the
-layout above, RegionLayout, the header), protocol_kernels.py (the steps as compiled
-kernels, and the kernel sets that load them on first use), protocol_steps.py (the Arena's
+layout above and of the compiled steps, RegionLayout, the header), protocol_kernels.py (the
+steps as compiled kernels, and the kernel sets that load them on first use; reached through
+compiled.py when first needed, so that importing this module and making an Arena import no
+numba; its names are not re-exported), protocol_steps.py (the Arena's
 bookkeeping, each in an object that alone writes it: StepClock, the steps and slots of
 rules 2, 3 and 6; Frame, the collective in progress: seq, name, deadline, fingerprint) and
 protocol_waits.py (PeerWatch: the wait tiers, the Python slow wait of rule 5 and every
@@ -109,11 +111,9 @@ import time
 
 import numpy as np
 
-from . import jit
-from .atomics import wake_sleepers, write_release
-from .atomics import warm_up as atomics_warm_up
+from . import compiled, jit
 from .errors import CollectiveMismatchError, ShmcollError
-from .protocol_kernels import (  # noqa: F401  (re-exported: tests, warmup.py, algorithms)
+from .protocol_layout import (  # noqa: F401  (re-exported: shm.py, p2p.py, threaded_pg, cuda_ipc)
     _CFG_VERIFY,
     _EXCHANGE,
     _NO_BYTES,
@@ -129,26 +129,6 @@ from .protocol_kernels import (  # noqa: F401  (re-exported: tests, warmup.py, a
     STREAM_GATHER,
     STREAM_REDUCE,
     STREAM_RING,
-    _consume,
-    _exchange_kernel,
-    _gil_enter,
-    _gil_leave,
-    _one_step_consume,
-    _one_step_kernel,
-    _stream_kernel,
-    _two_shot_consume,
-    _two_shot_kernel,
-    _wait_kernel,
-    _warm_exchange,
-    _warm_single_copy,
-    _warm_stream,
-    _warm_two_shot,
-    post_wake,
-    sleep_on,
-    warm_up,
-    warm_up_one_step,
-)
-from .protocol_layout import (  # noqa: F401  (re-exported: shm.py, p2p.py, threaded_pg, cuda_ipc)
     _BUF_ADDR,
     _BUF_NBYTES,
     CTRL_LINES,
@@ -184,7 +164,7 @@ from .protocol_waits import (  # noqa: F401  (re-exported: p2p.py, shm_group.py)
     YIELD_NS,
     PeerWatch,
 )
-from .single_copy import CMA, NONE, PIECE_NBYTES, gather_from_peers, reduce_from_peers
+from .single_copy import CMA, NONE, PIECE_NBYTES
 
 __all__ = [
     "MAGIC",
@@ -233,8 +213,8 @@ class Arena:
                  pids=None, gil_turn=None, single_copy=NONE, yield_ns=YIELD_NS,
                  load_kernels=True):
         if load_kernels:  # under the compile lock before any first use (cheap when done)
-            atomics_warm_up()
-            warm_up_one_step()
+            compiled.atomics.warm_up()
+            compiled.protocol_kernels.warm_up_one_step()
         self.rank = rank
         self.world_size = len(regions)
         self.layout = layout
@@ -395,7 +375,7 @@ class Arena:
         clock = self._clock
         step = clock.step + 1
         clock.posted(step, published_slot)
-        post_wake(self._posted_addr, step)
+        compiled.protocol_kernels.post_wake(self._posted_addr, step)
         return step
 
     def exchange(self, i=None, src=None, byte_offset=0, nbytes=0):
@@ -407,7 +387,8 @@ class Arena:
         the peers' (rule 4); anything but a clean pass (a slow peer, a mismatch, an abort)
         is finished by the Python code of wait_all, which owns the slow path and the errors.
         """
-        jit.once(_EXCHANGE, _warm_exchange)
+        pk = compiled.protocol_kernels
+        jit.once(_EXCHANGE, pk._warm_exchange)
         if i is None:
             src, dst, nbytes = _NO_BYTES, 0, 0
         else:
@@ -415,12 +396,12 @@ class Arena:
         fp, fp_addr, peer_fp = self._fp_args()
         clock = self._clock
         step = clock.step + 1
-        r = _exchange_kernel(src, byte_offset, nbytes, dst, fp_addr,
-                             fp[0], fp[1], fp[2], fp[3], fp[4], fp[5], fp[6], fp[7],
-                             self._seq_addr, self.frame.seq, self._posted_addr, step,
-                             self._peer_posted, peer_fp, self._peer_state, self._spins,
-                             self._yield_ns, self._state_addr, self._verify, self._gil_addr,
-                             self._gil_me)
+        r = pk._exchange_kernel(src, byte_offset, nbytes, dst, fp_addr,
+                                fp[0], fp[1], fp[2], fp[3], fp[4], fp[5], fp[6], fp[7],
+                                self._seq_addr, self.frame.seq, self._posted_addr, step,
+                                self._peer_posted, peer_fp, self._peer_state, self._spins,
+                                self._yield_ns, self._state_addr, self._verify, self._gil_addr,
+                                self._gil_me)
         clock.posted(step, i)
         if fp_addr:
             self.frame.written()
@@ -446,9 +427,10 @@ class Arena:
         if target is None:
             target = clock.step
         if clock.known_min < target:
-            jit.once(_EXCHANGE, _warm_exchange)
-            r = _wait_kernel(self._peer_posted, target, self._spins, self._yield_ns,
-                             self._state_addr, self._gil_addr, self._gil_me)
+            pk = compiled.protocol_kernels
+            jit.once(_EXCHANGE, pk._warm_exchange)
+            r = pk._wait_kernel(self._peer_posted, target, self._spins, self._yield_ns,
+                                self._state_addr, self._gil_addr, self._gil_me)
             if r != -1:
                 self._watch.wait(target, r, self.frame)
             clock.arrived(target)
@@ -515,8 +497,9 @@ class Arena:
             self.wait_all(clock.free_at[i])
         step = clock.step + 1
         srcs = self._slot_addrs[i]
-        r = _one_step_kernel(mode, src, out, self._cfg, self._peer_tab, srcs, plan, pre, post,
-                             seq, step, root)
+        pk = compiled.protocol_kernels
+        r = pk._one_step_kernel(mode, src, out, self._cfg, self._peer_tab, srcs, plan, pre,
+                                post, seq, step, root)
         clock.one_step(i, step, publishes, r == -1)
         if r == -1:
             return
@@ -525,7 +508,7 @@ class Arena:
         self.frame.reopen(seq, op_name, timeout_s, deadline,
                           [seq, step - 1, *plan[:FP_WORDS - 2].tolist()], step - 1, i)
         self._finish_wait(step, r, True)
-        _one_step_consume(mode, src, out, srcs, self.rank, root, plan[7], plan[6], pre, post)
+        pk._one_step_consume(mode, src, out, srcs, self.rank, root, plan[7], plan[6], pre, post)
 
     def exchange_gather(self, i, inp, out, sub_nbytes):
         """out[j * inp.size: (j + 1) * inp.size] = rank j's `inp`, for every rank j (uint8
@@ -548,7 +531,8 @@ class Arena:
         only my own slice of my sub-slot, which no peer reads until the next step. The
         sub-chunks fill whole sub-slots: nothing overlaps across them, so smaller ones
         would only add waits."""
-        jit.once(_TWO_SHOT, _warm_two_shot)
+        pk = compiled.protocol_kernels
+        jit.once(_TWO_SHOT, pk._warm_two_shot)
         nbytes, size = buf.nbytes, buf.itemsize
         sub = self.sub_nbytes(size, self.slot_nbytes)
         nphase = 2 * max(1, -(-nbytes // sub))
@@ -560,7 +544,7 @@ class Arena:
         p = 0
         while True:
             fp, fp_addr, peer_fp = self._fp_args()
-            done, r = _two_shot_kernel(
+            done, r = pk._two_shot_kernel(
                 buf, size, sub, p, dst, fp_addr, fp[0], fp[1], fp[2], fp[3], fp[4], fp[5],
                 fp[6], fp[7], self._seq_addr, self.frame.seq, self._posted_addr, step0,
                 self._peer_posted, peer_fp, self._peer_state, self._spins, self._yield_ns,
@@ -570,7 +554,7 @@ class Arena:
                 self.frame.written()
             if self._settle(step0, nphase, done, r, fp_addr):
                 return
-            _two_shot_consume(done, buf, size, sub, srcs, self.rank, fn, op, pre, post)
+            pk._two_shot_consume(done, buf, size, sub, srcs, self.rank, fn, op, pre, post)
             p = done + 1
             if p >= nphase:
                 self._clock.posted(step0 + nphase)
@@ -594,7 +578,8 @@ class Arena:
         every peer post sub-chunk k - 1, and a peer posts k - 1 only after it consumed
         k - 2, the last read of that sub-slot.
         """
-        jit.once(_STREAM, _warm_stream)
+        pk = compiled.protocol_kernels
+        jit.once(_STREAM, pk._warm_stream)
         sub = self.sub_nbytes(itemsize, sub_nbytes)
         nsub = max(1, -(-nbytes // sub))
         step0 = self._clock.step
@@ -605,7 +590,7 @@ class Arena:
         k = 0
         while True:
             fp, fp_addr, peer_fp = self._fp_args()
-            done, r = _stream_kernel(
+            done, r = pk._stream_kernel(
                 mode, src, byte_offset, nbytes, sub, k, dst, fp_addr,
                 fp[0], fp[1], fp[2], fp[3], fp[4], fp[5], fp[6], fp[7],
                 self._seq_addr, self.frame.seq, self._posted_addr, step0, self._peer_posted,
@@ -616,9 +601,9 @@ class Arena:
                 self.frame.written()
             if self._settle(step0, nsub, done, r, fp_addr):
                 return
-            _consume(mode, src, byte_offset + done * sub, min(sub, nbytes - done * sub),
-                     srcs, done % STREAM_RING * sub, self.rank, root, fn, op, pre, post, out,
-                     done * sub, nbytes)
+            pk._consume(mode, src, byte_offset + done * sub, min(sub, nbytes - done * sub),
+                        srcs, done % STREAM_RING * sub, self.rank, root, fn, op, pre, post,
+                        out, done * sub, nbytes)
             k = done + 1
             if k >= nsub:
                 self._clock.posted(step0 + nsub)
@@ -666,21 +651,21 @@ class Arena:
         """out[i] = the reduction (ops.ReduceSpec) in rank order of every rank's element
         at addrs[p] + offset + i * itemsize (addrs from exchange_buffer; mine may be `out`
         itself)."""
-        jit.once(_SINGLE_COPY, _warm_single_copy)
+        jit.once(_SINGLE_COPY, compiled.protocol_kernels._warm_single_copy)
         piece = max(1, PIECE_NBYTES // out.itemsize) * out.itemsize
         scratch = self._scratch_for(piece)
-        peer, err = reduce_from_peers(self.single_copy, self._pid_arr, addrs, self.rank,
-                                      out.view(np.uint8), offset, scratch, piece, spec.fn,
-                                      spec.op, spec.pre, spec.post)
+        peer, err = compiled.single_copy.reduce_from_peers(
+            self.single_copy, self._pid_arr, addrs, self.rank, out.view(np.uint8), offset,
+            scratch, piece, spec.fn, spec.op, spec.pre, spec.post)
         if peer >= 0:
             raise self._watch.read_error(peer, err, self.frame)
 
     def gather_peers(self, peers, remote, local, nbytes):
         """Copy nbytes[k] bytes at remote[k] in rank peers[k]'s address space to local[k]
         (int64 arrays; the ranges were published with exchange_buffer)."""
-        jit.once(_SINGLE_COPY, _warm_single_copy)
-        peer, err = gather_from_peers(self.single_copy, self._pid_arr, self.rank, peers,
-                                      remote, local, nbytes)
+        jit.once(_SINGLE_COPY, compiled.protocol_kernels._warm_single_copy)
+        peer, err = compiled.single_copy.gather_from_peers(
+            self.single_copy, self._pid_arr, self.rank, peers, remote, local, nbytes)
         if peer >= 0:
             raise self._watch.read_error(peer, err, self.frame)
 
@@ -701,23 +686,26 @@ class Arena:
 
     def set_state(self, state):
         """Announce abort/close to peers (and wake my own waiter on abort)."""
-        atomics_warm_up()  # a group may close (or abort) before its first call loaded them
-        write_release(self._state_addr, state)
+        atomics = compiled.atomics
+        atomics.warm_up()  # a group may close (or abort) before its first call loaded them
+        atomics.write_release(self._state_addr, state)
         self._wake_sleepers()
 
     def abort_at(self, seq):
         """Announce that I failed collective `seq`: SEQ first, then STATE = ABORTED, so a
         peer that reads ABORTED also sees which collective failed (rule 4). A failure before
         the collective's first post would otherwise leave SEQ at the previous one."""
-        atomics_warm_up()
-        write_release(self._seq_addr, seq)
-        write_release(self._state_addr, STATE_ABORTED)
+        atomics = compiled.atomics
+        atomics.warm_up()
+        atomics.write_release(self._seq_addr, seq)
+        atomics.write_release(self._state_addr, STATE_ABORTED)
         self._wake_sleepers()
 
     def _wake_sleepers(self):
         """After a STATE change (rule 5): wake the peers asleep on my POSTED, so they see it
         now, and whoever sleeps on a peer's (my own waiter among them, when another thread
         aborts): a sleeper woken for nothing re-checks and sleeps again."""
+        wake_sleepers = compiled.atomics.wake_sleepers
         for addr in self._posted_addrs:
             wake_sleepers(addr)
 

@@ -9,7 +9,9 @@ rules 1-4, nothing else) and the kernels built on it -- `_exchange_kernel`
 (Arena.exchange_reduce_two_shot), `_wait_kernel` (Arena.wait_all) -- and the rank threads'
 Python turn around each of them (`_gil_enter` / `_gil_leave`). The kernels move bytes and
 reduce through a reducer's address (kernels.call_reduce), so each compiles once for every
-dtype. protocol.py re-exports the names other modules use.
+dtype. The Arena reaches them through compiled.py (on first use, not at import); their
+numbers (modes, the one-step kernel's constants, the kernel sets' names) are in
+protocol_layout.py.
 """
 
 import numpy as np
@@ -18,25 +20,46 @@ from . import jit
 from .atomics import add_release, cas_acq_rel, copy_bytes, cpu_pause, fence_seq_cst, \
     futex_wait, futex_wake, load_acquire, monotonic_ns, sched_yield, store_release, wait_all_ge
 from .kernels import call_reduce
-from .protocol_layout import CTRL_LINES, FP_RING, FP_WORDS, LINE_NBYTES, LINE_WORDS, \
-    STATE_ABORTED, _SLEEPERS_DELTA
-from .single_copy import CMA, gather_from_peers, reduce_from_peers
+from .protocol_layout import (  # noqa: F401  (the steps' numbers; also read here by tests)
+    _CFG_FP0,
+    _CFG_GIL,
+    _CFG_GIL_ME,
+    _CFG_POSTED,
+    _CFG_RANK,
+    _CFG_SEQ,
+    _CFG_SPINS,
+    _CFG_STATE,
+    _CFG_VERIFY,
+    _CFG_YIELD_NS,
+    _EXCHANGE,
+    _NO_BYTES,
+    _ONE_STEP,
+    _PEER_FP0,
+    _PEER_POSTED,
+    _PEER_STATE,
+    _SINGLE_COPY,
+    _SLEEPERS_DELTA,
+    _STREAM,
+    _TWO_SHOT,
+    CTRL_LINES,
+    FP_RING,
+    FP_WORDS,
+    GIL_LEAVE_NS,
+    LINE_NBYTES,
+    LINE_WORDS,
+    ONE_STEP_BROADCAST,
+    ONE_STEP_GATHER,
+    ONE_STEP_REDUCE,
+    ONE_STEP_REDUCE_SCATTER,
+    STATE_ABORTED,
+    STREAM_BROADCAST,
+    STREAM_GATHER,
+    STREAM_REDUCE,
+    STREAM_RING,
+)
+from .single_copy import CMA
+from .single_copy_kernels import gather_from_peers, reduce_from_peers
 
-# Rank threads only (Arena gil_turn): how long a rank whose wait completed waits (pause
-# polls, or yields when oversubscribed) for the Python turn before taking the GIL anyway;
-# see _gil_leave. Covers a peer's Python between two collectives (~10-30 us via dist.*).
-GIL_LEAVE_NS = 200_000
-# Sub-slots the streamed collectives cycle through (Arena._stream): 2 is the smallest ring
-# that needs no waits beyond the per-sub-chunk one (rule 6).
-STREAM_RING = 2
-STREAM_REDUCE, STREAM_GATHER, STREAM_BROADCAST = 0, 1, 2  # what Arena._stream does with
-# each sub-chunk (STREAM_BROADCAST: only the root copies in; the others copy the root's out)
-# what Arena.one_step does after its wait (algorithms.one_step_mode picks one)
-ONE_STEP_REDUCE, ONE_STEP_BROADCAST, ONE_STEP_GATHER, ONE_STEP_REDUCE_SCATTER = range(4)
-# Words of Arena._cfg (the one-step kernel's constants) and rows of Arena._peer_tab.
-(_CFG_RANK, _CFG_SPINS, _CFG_YIELD_NS, _CFG_POSTED, _CFG_STATE, _CFG_SEQ, _CFG_GIL,
- _CFG_GIL_ME, _CFG_VERIFY, _CFG_FP0) = range(10)
-_PEER_POSTED, _PEER_STATE, _PEER_FP0 = 0, 1, 2
 
 
 def warm_up():
@@ -48,7 +71,7 @@ def warm_up():
 # The protocol kernels, in sets compiled on first use (jit.once), with exactly the argument
 # types Arena passes. They move bytes, so one compilation serves every dtype (a reduction
 # is a call through ops.ReduceSpec.fn). An Arena loads the one-step kernel when it is made
-# (a group's warm-up does it earlier, during the rendezvous); the others load when a
+# (a group's warm-up does it earlier, right after the rendezvous); the others load when a
 # collective first needs them (cold: 0.1-0.4 s each, 2-core VM).
 
 def _dummies():
@@ -99,11 +122,6 @@ def _warm_single_copy():
     gather_from_peers(CMA, none, 0, none, none, none, none)
 
 
-_ONE_STEP = "shmcoll's one-step kernel"
-_EXCHANGE = "shmcoll's exchange and wait kernels"
-_STREAM = "shmcoll's streaming kernels"
-_TWO_SHOT = "shmcoll's two-shot kernels"
-_SINGLE_COPY = "shmcoll's single-copy kernels"
 _KERNEL_SETS = ((_ONE_STEP, _warm_one_step), (_EXCHANGE, _warm_exchange),
                 (_STREAM, _warm_stream), (_TWO_SHOT, _warm_two_shot),
                 (_SINGLE_COPY, _warm_single_copy))
@@ -114,7 +132,6 @@ def warm_up_one_step():
     jit.once(_ONE_STEP, _warm_one_step)
 
 
-_NO_BYTES = np.zeros(0, np.uint8)
 # Arguments of compiled calls between kernels: numba types a literal int argument as its
 # own Literal type and compiles the callee once more for it (0.1-0.2 s each when cold);
 # numpy scalars type as plain int64.

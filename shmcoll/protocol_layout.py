@@ -35,6 +35,41 @@ _H_WORDS_END = 104
 HEADER_PROBE_NBYTES = _H_WORDS_END  # what single_copy.probe reads back (token included)
 
 
+# -- the compiled steps' numbers (protocol_kernels.py; here so that the Arena imports no numba)
+
+# Rank threads only (Arena gil_turn): how long a rank whose wait completed waits (pause
+# polls, or yields when oversubscribed) for the Python turn before taking the GIL anyway;
+# see _gil_leave. Covers a peer's Python between two collectives (~10-30 us via dist.*).
+GIL_LEAVE_NS = 200_000
+# Sub-slots the streamed collectives cycle through (Arena._stream): 2 is the smallest ring
+# that needs no waits beyond the per-sub-chunk one (rule 6).
+STREAM_RING = 2
+STREAM_REDUCE, STREAM_GATHER, STREAM_BROADCAST = 0, 1, 2  # what Arena._stream does with
+# each sub-chunk (STREAM_BROADCAST: only the root copies in; the others copy the root's out)
+# what Arena.one_step does after its wait (algorithms.one_step_mode picks one)
+ONE_STEP_REDUCE, ONE_STEP_BROADCAST, ONE_STEP_GATHER, ONE_STEP_REDUCE_SCATTER = range(4)
+# Words of Arena._cfg (the one-step kernel's constants) and rows of Arena._peer_tab.
+(_CFG_RANK, _CFG_SPINS, _CFG_YIELD_NS, _CFG_POSTED, _CFG_STATE, _CFG_SEQ, _CFG_GIL,
+ _CFG_GIL_ME, _CFG_VERIFY, _CFG_FP0) = range(10)
+_PEER_POSTED, _PEER_STATE, _PEER_FP0 = 0, 1, 2
+# The kernel sets (jit.once keys: protocol_kernels.py loads each on its first use).
+_ONE_STEP = "shmcoll's one-step kernel"
+_EXCHANGE = "shmcoll's exchange and wait kernels"
+_STREAM = "shmcoll's streaming kernels"
+_TWO_SHOT = "shmcoll's two-shot kernels"
+_SINGLE_COPY = "shmcoll's single-copy kernels"
+# "no bytes": the source of a step that publishes nothing
+_NO_BYTES = np.zeros(0, np.uint8)
+
+
+# -- point-to-point (p2p.py; its cell kernels in p2p_cells.py) ------------------------------
+
+ANY_SOURCE = -1  # a receive from any rank
+_NEVER = np.iinfo(np.int64).max  # a wait target no counter reaches
+# The kernel sets of the mailboxes (jit.once keys)
+_CELL_KERNELS = "shmcoll's point-to-point kernels"
+_PROGRESS_WAIT = "shmcoll's point-to-point progress wait"
+
 class RegionLayout:
     """Byte geometry of one rank's region; identical for every rank of a group.
 

@@ -14,8 +14,7 @@ call. protocol.py re-exports the constants.
 import errno
 import time
 
-from . import jit
-from .atomics import HAVE_FUTEX, read_acquire, wait_all_ge
+from . import compiled, jit
 from .errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
@@ -23,9 +22,8 @@ from .errors import (
     PeerLostError,
     ShmcollError,
 )
-from .protocol_kernels import _EXCHANGE, _warm_exchange, sleep_on
-from .protocol_layout import FP_LINE0, FP_RING, LINE_WORDS, STATE_ABORTED, STATE_CLOSED, \
-    STATE_LIVE, W_POSTED, W_SEQ, W_STATE
+from .protocol_layout import _EXCHANGE, FP_LINE0, FP_RING, LINE_WORDS, STATE_ABORTED, \
+    STATE_CLOSED, STATE_LIVE, W_POSTED, W_SEQ, W_STATE
 from .single_copy import errno_text
 
 # Wait tiers (see DESIGN_NOTES §14), all inside the compiled wait (atomics.wait_all_ge):
@@ -79,8 +77,9 @@ class PeerWatch:
         """The compiled tiers ran out (or saw my abort word) waiting for every peer to post
         `target`: sleep with backoff, checking abort, peer liveness and the deadline before
         every sleep; return once every peer posted it, else raise."""
-        jit.once(_EXCHANGE, _warm_exchange)  # wait_all_ge, called from Python below
-        futex = HAVE_FUTEX and r >= 0
+        atomics, pk = compiled.atomics, compiled.protocol_kernels
+        jit.once(_EXCHANGE, pk._warm_exchange)  # wait_all_ge, called from Python below
+        futex = atomics.HAVE_FUTEX and r >= 0
         sleep_s, sleep_max = (FUTEX_SLEEP_MIN_S, FUTEX_SLEEP_MAX_S) if futex else \
             (SLEEP_MIN_S, SLEEP_MAX_S)
         while True:
@@ -96,13 +95,13 @@ class PeerWatch:
                 # yield-polling after it, which only burns the cores an oversubscribed
                 # machine's other ranks need (2 namespaced hosts x 2 ranks, 8 B all_reduce,
                 # A/B in one run: 0.80-0.96x the time of 100 us of yield-polling per sleep)
-                sleep_on(self._peer_posted[r], target, int(min(sleep_s, left + 1e-4) * 1e9))
+                pk.sleep_on(self._peer_posted[r], target, int(min(sleep_s, left + 1e-4) * 1e9))
                 yield_ns = 0
             else:
                 time.sleep(sleep_s)
                 yield_ns = SLOW_YIELD_NS
             sleep_s = min(sleep_s * 2, sleep_max)
-            r = wait_all_ge(self._peer_posted, target, 0, yield_ns, self._state_addr)
+            r = atomics.wait_all_ge(self._peer_posted, target, 0, yield_ns, self._state_addr)
             if r == -1:
                 return
 
@@ -140,7 +139,7 @@ class PeerWatch:
         `target` (then finished and closed) between our first read and the state read. A
         closing peer stores STATE after its last post, and a dead one posts no more, so this
         second read is final."""
-        return read_acquire(self._posted_addrs[peer]) < target
+        return compiled.atomics.read_acquire(self._posted_addrs[peer]) < target
 
     def lost_error(self, peer, state, frame):
         what = "closed the group" if state == STATE_CLOSED else "exited"
@@ -187,6 +186,7 @@ class PeerWatch:
         # its abort belongs to a later collective: STATE is read first, and abort_at stores
         # SEQ before STATE. CLOSED is not checked: a peer may finish the last collective
         # and close at once.
+        read_acquire = compiled.atomics.read_acquire
         for p in self._peers:
             if (read_acquire(self._state_addrs[p]) == STATE_ABORTED
                     and read_acquire(self._seq_addrs[p]) <= frame.seq):

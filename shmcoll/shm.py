@@ -2,7 +2,9 @@
 
 Lifecycle of one group (every rank does the same; keys live under the group's store prefix):
 
-    rank 0   token = 16 random bytes -> store["shmcoll/<gen>/token"]
+    rank 0   token = 16 random bytes -> store["shmcoll/<gen>/token"]; the others wait for it
+             (a torch group on one node skips that wait: its ranks read a fresh random token
+             in node discovery's first round, hier/nodes.py, and rank 0 stores that one)
     rank r   create '/shmcoll-<uid>-<token>-<r>-<pid>'  O_CREAT|O_EXCL, mode 0600,
              posix_fallocate(region nbytes)  -> ENOSPC here, never SIGBUS later
              write header (protocol.write_header) -> store["shmcoll/<gen>/seg/<r>"] = name
@@ -157,7 +159,7 @@ class ShmRegions:
     """The mapped regions of one group: mine (created) and every peer's (attached)."""
 
     def __init__(self, store, rank, world_size, layout, timeout_s, shm_dir="/dev/shm",
-                 single_copy="auto", small_pages=False):
+                 single_copy="auto", small_pages=False, token=None):
         self.rank = rank
         self.world_size = world_size
         self.layout = layout
@@ -174,20 +176,23 @@ class ShmRegions:
         # since it steers algorithm choice, which must be the same on every rank.
         self.small_pages = bool(small_pages)
         try:
-            self._rendezvous(store, timeout_s, shm_dir)
+            self._rendezvous(store, timeout_s, shm_dir, token)
         except BaseException:
             self.close()
             raise
 
-    def _rendezvous(self, store, timeout_s, shm_dir):
+    def _rendezvous(self, store, timeout_s, shm_dir, token_hex=None):
+        """`token_hex`: the group token, when the ranks already share one (node
+        discovery's); else rank 0 makes it and the others wait for it in a store round."""
         deadline = time.monotonic() + timeout_s
         with phase("segments: token"):
             gen = store.add(f"shmcoll/gen/{self.rank}", 1)
             base = f"shmcoll/{gen}"
-            if self.rank == 0:
-                store.set(f"{base}/token", secrets.token_hex(16))
-            token_hex = _wait_key(store, f"{base}/token", deadline, timeout_s,
-                                  "rank 0's group token")
+            if self.rank == 0:  # set when given too: the store names every group's token
+                store.set(f"{base}/token", token_hex or secrets.token_hex(16))
+            if token_hex is None:
+                token_hex = _wait_key(store, f"{base}/token", deadline, timeout_s,
+                                      "rank 0's group token")
         if len(token_hex) != 32:
             raise SegmentError(f"rendezvous: malformed group token {token_hex!r} in the store")
         with phase("segments: gc_stale"):

@@ -14,23 +14,30 @@ __all__ = ["new_shm_group"]
 
 
 def new_shm_group(store, rank, world_size, timeout_s=1800.0, cfg=None, name="",
-                  small_pages=None, ranks_here=None, yield_ns=None):
+                  small_pages=None, ranks_here=None, yield_ns=None, token=None):
     """Rendezvous through `store` (set/get/add, e.g. a c10d Store or shmcoll.FileStore) and
     return a ready Group. Every rank of the group must call this with the same arguments.
-    The kernels load in a thread started here (warmup.py); the group is returned without
-    waiting for them, and its first call waits (Group.wait_kernels).
+    The kernels load in a thread started here, once the group is made (warmup.py); the
+    group is returned without waiting for them, and its first call waits
+    (Group.wait_kernels). The thread starts after the rendezvous, not before: it imports
+    numba (~0.3 s of imports, then ~0.6 s readying numba's CPU target), which holds the GIL
+    in stretches of up to the switch interval (5 ms), and every return of the rendezvous
+    from a store wait or a syscall would queue behind it
+    (docs/notes/2026-11-28-warm-init-2.md).
     `small_pages`: whether this rank's buffers are likely on 4 KiB pages (see pages.py;
     None: numpy's arrays); the group takes True if any rank says so. `ranks_here`: busy
     ranks on this machine when the group is one node of several sharing it (simulated
     or namespaced nodes): they decide, with the cores, whether waits may spin. `yield_ns`:
-    the waits' sched_yield tier when not protocol.YIELD_NS (see hier/__init__.py)."""
+    the waits' sched_yield tier when not protocol.YIELD_NS (see hier/__init__.py).
+    `token`: a random hex group token every rank already has (node discovery's:
+    torch_backend.new_process_group), the same on every rank; None: rank 0 makes one and
+    the ranks read it in a store round (shm.ShmRegions)."""
     if not 0 <= rank < world_size:
         raise ValueError(f"new_shm_group: rank {rank} is outside world size {world_size}")
     # Imported here, not at module level: `python -m shmcoll.warmup` imports the package
     # first, and a module already imported by it would run twice (runpy warns).
     from .warmup import ensure, wait_ready, warm_up_async
     cfg = cfg or _config.from_env()
-    warm_up_async()  # load kernels from numba's cache while the rendezvous waits on peers
     if world_size == 1:  # no shared memory; a private region carries self-sends
         layout = RegionLayout(64, 2, 1, _config.p2p_cells(cfg, 1), cfg.p2p_cell_nbytes)
         p2p = P2PEngine([np.zeros(layout.nbytes, np.uint8)], 0, layout, lambda peer: True,
@@ -38,6 +45,7 @@ def new_shm_group(store, rank, world_size, timeout_s=1800.0, cfg=None, name="",
         group = Group(None, 0, 1, timeout_s, cfg.direct_max_nbytes, closers=[p2p.close],
                       name=name, aborter=p2p.abort)
         group.attach_p2p(p2p)
+        warm_up_async()
         return group
     layout = RegionLayout(cfg.slot_nbytes, cfg.nslots, world_size,
                           _config.p2p_cells(cfg, world_size), cfg.p2p_cell_nbytes)
@@ -45,7 +53,7 @@ def new_shm_group(store, rank, world_size, timeout_s=1800.0, cfg=None, name="",
         small_pages = numpy_buffers_small_pages()
     with phase("segments"):
         regions = ShmRegions(store, rank, world_size, layout, timeout_s, cfg.shm_dir,
-                             cfg.single_copy, small_pages)
+                             cfg.single_copy, small_pages, token)
     liveness = PidLiveness(regions.pids)
     spin = {"spin": False, "yield": True}.get(cfg.spin,
                                               is_oversubscribed(ranks_here or world_size))
@@ -67,4 +75,5 @@ def new_shm_group(store, rank, world_size, timeout_s=1800.0, cfg=None, name="",
                   aborter=p2p.abort, single_copy_always=cfg.single_copy == "always",
                   small_pages=regions.small_pages, kernels=ensure)
     group.attach_p2p(p2p)
+    warm_up_async()  # the kernels load from here on; the first call waits for them
     return group

@@ -4,12 +4,14 @@
 on the 2-core VM, once per machine, Python and numba version); nothing needs it, but it
 takes the cold start (docs/COLD_START.md) out of a first job, e.g. in a container image.
 
-Every group starts `warm_up_async()` at creation, before its store rendezvous: a thread
-that readies numba itself, then loads what nearly every first call needs: the atomics,
+Every group starts `warm_up_async()` at creation, once its store rendezvous is done (the
+creation itself imports no numba: compiled.py): a thread that imports and readies numba
+itself, then loads what nearly every first call needs: the atomics,
 the one-step kernel (small collectives; it moves bytes, the same for every dtype), the
 float32 sum reducer and the point-to-point progress thread's wait. Warm, loading them takes
 ~0.05 s; readying numba (its CPU target: numba imports its implementations, scipy's BLAS
-among them) takes 0.3-1.5 s and is most of a warm init. The group does not wait for it:
+among them) takes 0.3-1.5 s, most of what a warm first call waits for. The group does not
+wait for it:
 its first call does (`ensure`, through Group's kernel gate), so init_process_group
 returns after the rendezvous and the loading overlaps whatever the program does before
 its first collective. Nothing loads beside a collective: loading holds the GIL and a core,
@@ -29,14 +31,15 @@ import time
 
 import numpy as np
 
-from . import atomics, kernels, p2p, protocol
+from . import compiled
 from .init_phases import phase
+from .op_codes import OP_SUM
 
 __all__ = ["warm_up", "warm_up_async", "wait_ready", "ensure", "FIRST_REDUCERS"]
 
 # (kind, storage, kernel op): what a first collective nearly always reduces (a dtype, as
 # ops.reduce_spec asks for it: kernels.reducer caches by the value it is given)
-FIRST_REDUCERS = (("float", np.dtype(np.float32), kernels.OP_SUM),)
+FIRST_REDUCERS = (("float", np.dtype(np.float32), OP_SUM),)
 
 _lock = threading.Lock()
 _ready = threading.Event()
@@ -51,20 +54,23 @@ def warm_up(reducers=None):
         try:
             with phase("numba's CPU target"):
                 _ready_numba()
+            with phase("kernels: import"):  # numba's modules and ours (compiled.py)
+                atomics, kernels = compiled.atomics, compiled.kernels
+                protocol_kernels, p2p_cells = compiled.protocol_kernels, compiled.p2p_cells
             with phase("kernels: atomics"):
                 atomics.warm_up()
             with phase("kernels: one-step"):
-                protocol.warm_up_one_step()
+                protocol_kernels.warm_up_one_step()
             if reducers is None:
-                protocol.warm_up()
+                protocol_kernels.warm_up()
                 kernels.warm_up()
-                p2p.ensure_kernels()
+                p2p_cells.ensure_kernels()
             else:
                 for kind, storage, op in reducers:
                     with phase(f"kernels: {np.dtype(storage)} {kind} reducer"):
                         kernels.reducer(storage, kind, op)
                 with phase("kernels: p2p progress wait"):
-                    p2p.ensure_progress_wait()
+                    p2p_cells.ensure_progress_wait()
         finally:
             _ready.set()  # a failed warm-up must not block the first call (ensure raises)
     return time.perf_counter() - t0
@@ -97,9 +103,9 @@ def ensure(timeout_s=None):
     raised here, in the caller). True when the kernels are loaded."""
     if not _ready.wait(timeout_s):
         return False
-    atomics.warm_up()
-    protocol.warm_up_one_step()
-    p2p.ensure_progress_wait()
+    compiled.atomics.warm_up()
+    compiled.protocol_kernels.warm_up_one_step()
+    compiled.p2p_cells.ensure_progress_wait()
     return True
 
 

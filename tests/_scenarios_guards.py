@@ -144,6 +144,40 @@ def scenario_kernels_deferred(c):
     c.close()
 
 
+def scenario_creation_without_numba(c):
+    """init_process_group("shm") with this rank's warm-up thread held before it starts
+    (warmup.warm_up replaced by a wait, so nothing but the creation path runs in this
+    process): report the numba / llvmlite modules and shmcoll's kernel modules imported
+    when the group is back (there must be none: compiled.py), then let the warm-up go and
+    report a first all_reduce and that numba is loaded after it."""
+    import sys
+
+    import torch
+
+    from shmcoll import warmup
+    go = threading.Event()
+    real = warmup.warm_up
+
+    def held(reducers=None):
+        go.wait(60)
+        return real(reducers)
+
+    warmup.warm_up = held
+    c.new_group()
+    heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("numba", "llvmlite"))
+    kernel_modules = sorted(m for m in sys.modules if m in (
+        "shmcoll.atomics", "shmcoll.kernels", "shmcoll.protocol_kernels", "shmcoll.p2p_cells",
+        "shmcoll.single_copy_kernels", "shmcoll.prebuilt"))
+    c.emit("created", heavy=heavy, kernel_modules=kernel_modules,
+           ready=warmup.wait_ready(0))
+    go.set()
+    import torch.distributed as dist
+    t = torch.full((4,), c.rank + 1.0)
+    dist.all_reduce(t)
+    c.emit("first", value=float(t[0]), numba="numba" in sys.modules)
+    c.close()
+
+
 # -- bullet 7: isolation ------------------------------------------------------------------------
 
 def scenario_isolated(c):

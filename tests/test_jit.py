@@ -17,7 +17,7 @@ import pytest
 import torch.distributed as dist
 
 import threaded_pg
-from shmcoll import atomics, jit, kernels, p2p_cells, protocol_kernels, single_copy
+from shmcoll import atomics, jit, kernels, p2p_cells, protocol_kernels, single_copy_kernels
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -218,7 +218,7 @@ def test_protocol_kernels_have_one_signature():
     each is compiled once (a second signature would be a whole recompile per dtype)."""
     threaded_pg.spawn(_every_kind_of_collective, 4)
     many = {}
-    for mod in (atomics, kernels, protocol_kernels, single_copy, p2p_cells):
+    for mod in (atomics, kernels, protocol_kernels, single_copy_kernels, p2p_cells):
         for name, d in vars(mod).items():
             if isinstance(d, numba.core.dispatcher.Dispatcher) and \
                     d.__module__ == mod.__name__ and len(d.signatures) > 1:

@@ -251,7 +251,8 @@ assert "torch" not in sys.modules and "numba" not in sys.modules
 from shmcoll import *  # noqa
 assert Group.__module__ == "shmcoll.group" and issubclass(PeerLostError, ShmcollError)
 assert ReduceOp.SUM is shmcoll.ReduceOp.SUM and callable(new_shm_group) and FileStore
-assert "numba" in sys.modules and "torch" not in sys.modules  # the engine, not the adapter
+assert "torch" not in sys.modules  # the engine, not the adapter
+assert "numba" not in sys.modules  # nor the kernels: compiled.py imports them on first use
 import threaded_pg.spawning, threaded_pg.testing  # submodules first: the names still win
 from threaded_pg import *  # noqa
 assert spawn is threaded_pg.spawn and spawn.__module__ == "threaded_pg.spawning", spawn
@@ -294,6 +295,43 @@ def test_numba_modules_import_jit(path):
         return
     assert "shmcoll.jit" in _top_level_imports(path), \
         f"shmcoll/{path.relative_to(PACKAGE)} imports numba but not `from . import jit`"
+
+
+# Modules that may import a numba module (one that imports numba or llvmlite at module
+# level) besides the numba modules themselves: compiled.py, the one way the engine reaches
+# a kernel; jit.py, whose kernel() / cfunc() (called only by the numba modules, as they
+# define their kernels) give each kernel prebuilt's cache; and the tools that run apart
+# from any group (the doctor, the wheel's build).
+NUMBA_IMPORTERS = {"shmcoll.compiled", "shmcoll.jit", "shmcoll.doctor", "shmcoll.build_kernels"}
+
+
+def _numba_modules():
+    """shmcoll's modules whose import imports numba: a module-level import of numba,
+    llvmlite or of such a module of shmcoll."""
+    top = {_module_name(p): _top_level_imports(p) for p in _py_files(PACKAGE)}
+    found = {m for m, imports in top.items()
+             if any(i.split(".")[0] in ("numba", "llvmlite") for i in imports)}
+    while True:
+        more = {m for m, imports in top.items() if m not in found and imports & found}
+        if not more:
+            return found
+        found |= more
+
+
+def test_kernels_are_reached_only_through_compiled():
+    """Creating a group imports no numba (compiled.py; tests/test_warm_init.py runs it): no
+    engine module imports a numba module, at any depth of the file, but through compiled.py,
+    so that the creation path cannot import one by accident (a lazy import in a function
+    of a module on it would run at the first collective, not at creation, but it would
+    also bypass the one owner; the warm-up imports them through compiled as well)."""
+    numba_modules = _numba_modules()
+    assert {"shmcoll.atomics", "shmcoll.kernels", "shmcoll.protocol_kernels",
+            "shmcoll.single_copy_kernels", "shmcoll.p2p_cells"} <= numba_modules, numba_modules
+    graph = _import_graph()
+    bad = sorted((m, sorted(graph[m] & numba_modules)) for m in graph
+                 if m.startswith("shmcoll") and m not in numba_modules
+                 and m not in NUMBA_IMPORTERS and graph[m] & numba_modules)
+    assert not bad, f"import a numba module other than through shmcoll.compiled: {bad}"
 
 
 def test_no_import_circles():

@@ -17,7 +17,7 @@ import pytest
 import harness
 from cases import (assert_rank_results, case_name, check_all_gather, check_all_reduce,
                    check_broadcast, check_reduce_scatter, group_cases, run_cases)
-from shmcoll import ReduceOp, protocol, single_copy
+from shmcoll import ReduceOp, protocol, single_copy, single_copy_kernels
 from shmcoll.algorithms import SINGLE_COPY_MIN
 from shmcoll.errors import CollectiveMismatchError, PeerLostError, ShmcollError
 
@@ -231,8 +231,9 @@ def test_peer_read_copies_and_reports_errno():
     """Guards: the compiled process_vm_readv returns what it copied, or -errno."""
     src = np.arange(1 << 16, dtype=np.uint8)
     dst = np.zeros_like(src)
-    assert single_copy.fetch(single_copy.CMA, os.getpid(), dst.ctypes.data, src.ctypes.data,
-                             src.size) == 0
+    assert single_copy_kernels.fetch(single_copy.CMA, os.getpid(), dst.ctypes.data,
+                                     src.ctypes.data, src.size) == 0
     assert np.array_equal(dst, src)
-    assert single_copy.fetch(single_copy.CMA, os.getpid(), dst.ctypes.data, 8, 16) == -14
+    assert single_copy_kernels.fetch(single_copy.CMA, os.getpid(), dst.ctypes.data, 8,
+                                     16) == -14
     assert "EFAULT" in single_copy.errno_text(-14)

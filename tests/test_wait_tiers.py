@@ -1,5 +1,5 @@
 """The compiled wait tiers (atomics.wait_all_ge / wait_any_ge: yield tier bounded by time)
-and the rank threads' Python turn (protocol._gil_enter / _gil_leave, threaded_pg RankStates).
+and the rank threads' Python turn (protocol_kernels._gil_enter / _gil_leave, threaded_pg RankStates).
 
 These are the pieces whose failure would not show as a wrong result, only as a hang or a
 slow group: a yield tier that never ends, a turn that is never given back.
@@ -16,7 +16,7 @@ import pytest
 
 from shmcoll.atomics import (cpu_pause, load_acquire, monotonic_ns, wait_all_ge, wait_any_ge,
                              write_release)
-from shmcoll.protocol import GIL_LEAVE_NS, _gil_enter, _gil_leave
+from shmcoll.protocol_kernels import GIL_LEAVE_NS, _gil_enter, _gil_leave
 from threaded_pg.arena import RankStates
 
 pytestmark = pytest.mark.timeout(60)
@@ -221,7 +221,7 @@ def test_streamed_collectives_resume_through_the_python_wait(monkeypatch, world_
             np.testing.assert_array_equal(out[rep][1], gathered)
 
 
-# -- rule 5's sleeper handshake (protocol.post_wake / sleep_on, atomics.futex_*) --------------
+# -- rule 5's sleeper handshake (protocol_kernels.post_wake / sleep_on, atomics.futex_*) ----
 
 def _control_block():
     """One rank's control block (zeros): POSTED at its address, SLEEPERS further on."""
@@ -233,7 +233,7 @@ def _control_block():
 def _sleep_while_a_peer_posts(post, delay_s=0.1, timeout_s=5.0):
     """Seconds a sleep_on(target 1, `timeout_s`) took while another thread posts 1 after
     `delay_s` with `post`; and the SLEEPERS word seen by the poster."""
-    from shmcoll.protocol import post_wake, sleep_on
+    from shmcoll.protocol_kernels import post_wake, sleep_on
     words, posted, sleepers = _control_block()
     sleep_on(posted, 0, 0)  # compiled before timing
     post_wake(posted + 8 * 16, 0)  # (another line of the same block)
@@ -257,7 +257,7 @@ def _sleep_while_a_peer_posts(post, delay_s=0.1, timeout_s=5.0):
 @pytest.mark.skipif(not __import__("shmcoll.atomics").atomics.HAVE_FUTEX,
                     reason="no futex on this platform (sleeps are plain sleeps there)")
 def test_a_post_wakes_a_sleeper_at_once():
-    from shmcoll.protocol import post_wake
+    from shmcoll.protocol_kernels import post_wake
     took, sleepers = _sleep_while_a_peer_posts(post_wake)
     assert sleepers == 1  # the sleeper announced itself before sleeping
     assert took < 2.5, took  # woken by the post, not by its 5 s bound
@@ -273,7 +273,7 @@ def test_a_post_without_the_wake_leaves_the_sleeper_to_its_bound():
 
 
 def test_sleep_on_a_word_already_there_returns_at_once():
-    from shmcoll.protocol import sleep_on
+    from shmcoll.protocol_kernels import sleep_on
     words, posted, sleepers = _control_block()
     words[0] = 7
     sleep_on(posted, 7, 0)

@@ -69,3 +69,22 @@ def test_close_before_the_first_call_waits_for_the_warm_up(tmp_path):
         assert all(ev["ok"] and ev["ready"] for ev in closed.values()), closed
         assert job.join(60) == {0: 0, 1: 0}
     assert not shm_entries(list(job.pids.values()))
+
+
+def test_group_creation_imports_no_numba(tmp_path):
+    """Guards: init_process_group("shm") imports neither numba nor llvmlite nor any module
+    of shmcoll that does (compiled.py: the kernels are imported by the group's warm-up
+    thread and by its first call), so init pays no import of numba (~0.3 s) and no kernel
+    load. The warm-up thread of every rank is held before it starts: whatever numba is
+    imported by then came from the creation path (a module-level `import numba`, or a
+    kernel module imported at module level, anywhere on it, fails this). Then the first
+    all_reduce (which waits for the released warm-up) is right."""
+    with Job("creation_without_numba", 2, tmp_path, torch=True, timeout_s=TIMEOUT_S) as job:
+        created = job.all_ranks("created")
+        for ev in created.values():
+            assert ev["heavy"] == [] and ev["kernel_modules"] == [], ev
+            assert ev["ready"] is False, ev
+        first = job.all_ranks("first")
+        assert all(ev["value"] == 3.0 and ev["numba"] for ev in first.values()), first
+        assert job.join(60) == {0: 0, 1: 0}
+    assert not shm_entries(list(job.pids.values()))

@@ -1,6 +1,6 @@
 """reduce algorithms over an Arena."""
 
-from ..kernels import reduce_unchecked
+from .. import compiled
 
 __all__ = ["reduce_direct"]
 
@@ -21,5 +21,5 @@ def reduce_direct(arena, buf, root, spec):
         arena.post(i)
         arena.wait_all()
         if arena.rank == root:
-            reduce_unchecked(buf[start:start + n], arena.slot_addrs(i), spec.fn, spec.op,
-                             spec.pre, spec.post)
+            compiled.kernels.reduce_unchecked(buf[start:start + n], arena.slot_addrs(i),
+                                              spec.fn, spec.op, spec.pre, spec.post)

@@ -1,6 +1,6 @@
 """reduce_scatter algorithms over an Arena."""
 
-from ..kernels import reduce_unchecked
+from .. import compiled
 
 __all__ = ["reduce_scatter_direct", "reduce_scatter_single_copy"]
 
@@ -26,8 +26,8 @@ def reduce_scatter_direct(arena, blocks, out, spec):
             i = arena.next_slot()
             arena.claim(i)
             arena.exchange(i, blocks, 0, blocks.nbytes)
-            reduce_unchecked(out, arena.slot_addrs(i) + rank * size * itemsize, spec.fn,
-                             spec.op, spec.pre, spec.post)
+            compiled.kernels.reduce_unchecked(out, arena.slot_addrs(i) + rank * size * itemsize,
+                                              spec.fn, spec.op, spec.pre, spec.post)
             return
         blocks = list(blocks.reshape(world, -1)) if blocks.size else [blocks] * world
     longest = max(b.size for b in blocks)
@@ -41,8 +41,9 @@ def reduce_scatter_direct(arena, blocks, out, spec):
         arena.wait_all()
         n = max(0, min(per, out.size - start))
         if n:
-            reduce_unchecked(out[start:start + n], arena.slot_addrs(i) + rank * per * itemsize,
-                             spec.fn, spec.op, spec.pre, spec.post)
+            compiled.kernels.reduce_unchecked(out[start:start + n],
+                                              arena.slot_addrs(i) + rank * per * itemsize,
+                                              spec.fn, spec.op, spec.pre, spec.post)
 
 
 def reduce_scatter_single_copy(arena, blocks, out, spec):

@@ -9,14 +9,14 @@ Layering: nodes.py (who shares a host) -> wire.py (the seam, the first round) ->
 api.py (argument checks) -> group.py (HierGroup: sequence, frame, fail).
 """
 
-from .. import config as _config
-from ..group import is_oversubscribed
-from ..shm_group import new_shm_group
-from .faults import Board
-from .group import HierGroup
+from ..lazy_names import lazy_attributes
 from .nodes import NodeLayout, discover, identity
 
 __all__ = ["HierGroup", "NodeLayout", "discover", "identity", "new_hier_group", "PrefixedStore"]
+
+# A group on one node needs only discover (nodes.py): the hierarchical group's modules load
+# with the first new_hier_group, so that a one-node group's creation does not import them.
+__getattr__, __dir__ = lazy_attributes(__name__, {"HierGroup": "group"})
 
 # The sched_yield tier of the intra-node waits when the machine's ranks outnumber its cores
 # (the engine's default: 2 ms). Ranks of a node often wait while their leader is on the
@@ -58,6 +58,11 @@ def new_hier_group(store, rank, layout, make_transport, timeout_s=1800.0, cfg=No
     """The HierGroup of `rank` (every rank of the layout calls it, in the same order).
 
     make_transport(store, base, layout, rank, timeout_s) -> a wire.py Transport."""
+    from .. import config as _config
+    from ..group import is_oversubscribed
+    from ..shm_group import new_shm_group
+    from .faults import Board
+    from .group import HierGroup
     cfg = cfg or _config.from_env()
     gen = store.add(f"shmcoll/hier/gen/{rank}", 1)
     base = f"shmcoll/hier/{gen}"

@@ -25,6 +25,7 @@ rank 0 is the node's leader). All of this runs once per group, at creation: a gr
 node then runs exactly the single-node engine.
 """
 
+import dataclasses
 import functools
 import os
 import secrets
@@ -46,11 +47,15 @@ _PROBE_NBYTES = 64
 @dataclass(frozen=True)
 class NodeLayout:
     """node_of[r]: the node of group rank r; hosts[r]: its hostname (for messages);
-    machines[r]: its boot id (nodes simulated on one machine share its cores)."""
+    machines[r]: its boot id (nodes simulated on one machine share its cores); token: a
+    random hex string every rank of the group read in discovery's first round (rank 0's
+    probe token), which a group on one node takes as its segments' group token instead of
+    a store round of its own (shm.ShmRegions); "" when there was no round."""
 
     node_of: tuple
     hosts: tuple = ()
     machines: tuple = ()
+    token: str = ""
 
     @classmethod
     def from_keys(cls, keys, hosts=(), machines=()):
@@ -157,7 +162,8 @@ def discover(store, rank, world_size, timeout_s, cfg):
             values = _get_all(store, [f"{base}/id/{r}" for r in range(world_size)], deadline,
                               timeout_s, reused)
         hosts, machines, keys, probes, tokens = zip(*(v.split("\n") for v in values))
-        layout = NodeLayout.from_keys(keys, hosts, machines)
+        layout = dataclasses.replace(NodeLayout.from_keys(keys, hosts, machines),
+                                     token=tokens[0])
         leader = layout.nodes[layout.node_of[rank]][0]
         if leader != rank:
             _unlink(probe)  # only leaders' probes are read
@@ -172,7 +178,7 @@ def discover(store, rank, world_size, timeout_s, cfg):
         return layout
     # A member that could not read its leader's probe is a node of its own.
     keys = [k if v == "1" else f"{k}|unshared:{r}" for r, (k, v) in enumerate(zip(keys, oks))]
-    return NodeLayout.from_keys(keys, hosts, machines)
+    return dataclasses.replace(NodeLayout.from_keys(keys, hosts, machines), token=tokens[0])
 
 
 def _create_probe():

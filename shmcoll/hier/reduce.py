@@ -25,7 +25,7 @@ few bytes as anything can) or, from 3 nodes and RS_MIN_NBYTES, a reduce-scatter
 
 import numpy as np
 
-from ..kernels import reduce_into
+from .. import compiled
 from ..ops import ReduceOp, reduce_spec
 from . import wire
 
@@ -130,7 +130,7 @@ def exchange_reduce(call, channel, flat, spec, early, step):
             [m if m < me else m - 1 for m in range(members)], np.int64)
         addrs[me] = flat.ctypes.data
     if flat.size:
-        reduce_into(flat, addrs, spec.op, spec.kind, 1.0, spec.post)
+        compiled.kernels.reduce_into(flat, addrs, spec.op, spec.kind, 1.0, spec.post)
 
 
 def _exchange_reduce_two_step(call, channel, flat, spec, step):
@@ -150,7 +150,7 @@ def _exchange_reduce_two_step(call, channel, flat, spec, step):
               full.view(np.uint8), splits, splits)
     mine = g.scratch("mine", per * item, flat.dtype)
     addrs = pieces.ctypes.data + per * item * np.arange(members, dtype=np.int64)
-    reduce_into(mine, addrs, spec.op, spec.kind, 1.0, spec.post)
+    compiled.kernels.reduce_into(mine, addrs, spec.op, spec.kind, 1.0, spec.post)
     call.move(step + " (all-gather)", channel.all_gather, full.view(np.uint8),
               mine.view(np.uint8))
     if full is not flat:
@@ -206,7 +206,7 @@ def _reduce_scatter_sharded(call, out, blocks, dt, op, premul):
                   splits, splits)
         addrs = received.ctypes.data + n * item * np.arange(members, dtype=np.int64)
     if n:
-        reduce_into(out, addrs, inter.op, inter.kind, 1.0, inter.post)
+        compiled.kernels.reduce_into(out, addrs, inter.op, inter.kind, 1.0, inter.post)
 
 
 def reduce(call, flat, dt, op, premul, root):

@@ -24,7 +24,6 @@ from ..errors import GroupAbortedError
 from ..hier import discover, new_hier_group
 from ..init_phases import phase
 from . import checks
-from .inter_node import make_transport
 from .process_group import EngineProcessGroup, ShmOptions
 from .work import torch_error
 
@@ -45,7 +44,7 @@ def new_process_group(store, rank, size, options=None, timeout=None, group_name=
         layout = discover(store, rank, size, timeout_s, _config.from_env())
     if layout.single_node:
         with phase("ProcessGroupShm"):
-            return ProcessGroupShm(store, rank, size, options)
+            return ProcessGroupShm(store, rank, size, options, token=layout.token or None)
     return HierProcessGroup(store, rank, size, layout, options)
 
 
@@ -54,9 +53,12 @@ class ProcessGroupShm(EngineProcessGroup):
 
     `options` is a ProcessGroupShm.Options (`_timeout` in seconds or a timedelta,
     `group_name`); `timeout=` wins over options._timeout. Works with `group=pg` in dist.*
-    without being registered, like c10d.ProcessGroupGloo."""
+    without being registered, like c10d.ProcessGroupGloo. `token`: the group token its
+    ranks already share (new_process_group: node discovery's), which saves the segments'
+    token round (shm.ShmRegions)."""
 
-    def __init__(self, store, rank, size, options=None, timeout=None, group_name=None):
+    def __init__(self, store, rank, size, options=None, timeout=None, group_name=None,
+                 token=None):
         from ..pages import torch_buffers_small_pages
         from ..shm_group import new_shm_group
 
@@ -70,7 +72,8 @@ class ProcessGroupShm(EngineProcessGroup):
         # torch's tensors, unlike numpy's large arrays, sit on 4 KiB pages unless torch was
         # told otherwise (pages.py): that bounds where reading peers' buffers pays
         group = new_shm_group(store, rank, size, timeout_s=options._timeout.total_seconds(),
-                              name=options.group_name, small_pages=torch_buffers_small_pages())
+                              name=options.group_name, small_pages=torch_buffers_small_pages(),
+                              token=token)
         with phase("adapter"):
             super().__init__(group, "shm", store=store, options=options)
 
@@ -83,6 +86,7 @@ class HierProcessGroup(EngineProcessGroup):
 
     def __init__(self, store, rank, size, layout, options):
         from ..pages import torch_buffers_small_pages
+        from .inter_node import make_transport  # gloo channels: only a group on several nodes
 
         group = new_hier_group(store, rank, layout, make_transport,
                                timeout_s=options._timeout.total_seconds(),

@@ -5,7 +5,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..kernels import reduce_into
+from .. import compiled
 from ..ops import ReduceOp, dtype_of, reduce_spec
 from . import checks
 from . import sparse as _sparse
@@ -255,5 +255,6 @@ def _local_reduce(arrays, op):
                        d, 1, "allreduce")
     flats = [np.ascontiguousarray(a).reshape(-1).view(d.storage) for a, _ in arrays]
     out = np.ascontiguousarray(first).reshape(-1).view(d.storage).copy()
-    reduce_into(out, np.array([f.ctypes.data for f in flats], np.int64), spec.op, spec.kind)
+    compiled.kernels.reduce_into(out, np.array([f.ctypes.data for f in flats], np.int64),
+                                 spec.op, spec.kind)
     first[...] = out.view(first.dtype).reshape(first.shape)
