@@ -1,5 +1,5 @@
 """The build backend: setuptools', asking for numba, numpy and posix-ipc only when it builds
-a wheel (setup.py compiles the kernels into it: shmcoll/build_kernels.py). An editable install
+a wheel (setup.py compiles the kernels into it: shmcoll/tools/build_kernels.py). An editable install
 builds no kernels and so does not install them into pip's build environment (~20 s)."""
 
 from setuptools import build_meta as _setuptools

@@ -1,7 +1,7 @@
-"""Builds shmcoll's numba kernels into the wheel (shmcoll/prebuilt.py, docs/COLD_START.md).
+"""Builds shmcoll's numba kernels into the wheel (shmcoll/native/prebuilt.py, docs/COLD_START.md).
 
 Everything else is in pyproject.toml. After build_py has copied the sources into the
-build directory, `shmcoll.build_kernels.build` compiles the kernels there for the portable
+build directory, `shmcoll.tools.build_kernels.build` compiles the kernels there for the portable
 target (shmcoll/_kernels/), so that a regular install loads them instead of compiling
 them; ~20-40 s on 2 cores. Skipped for an editable install (its sources change: the
 kernels would never match).
@@ -33,7 +33,7 @@ class BuildPyWithKernels(build_py):
         package = os.path.abspath(os.path.join(self.build_lib, "shmcoll"))
         print(f"shmcoll: compiling the kernels into {package}/_kernels", flush=True)
         run = subprocess.run(
-            [sys.executable, "-c", "import json, sys; from shmcoll import build_kernels; "
+            [sys.executable, "-c", "import json, sys; from shmcoll.tools import build_kernels; "
              "r = build_kernels.build(sys.argv[1]); print(json.dumps(r)); "
              "sys.exit(3 if 'skipped' in r else 0)", package],
             env=dict(os.environ, PYTHONPATH=os.pathsep.join(  # keep pip's build env's

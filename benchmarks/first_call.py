@@ -16,10 +16,10 @@ processes: 2 ranks (torch.multiprocessing is not involved: two `python -c` proce
     is the slowest rank's (a collective ends when its last rank arrives).
 threads: `threaded_pg.spawn` of a 2-rank float32 all_reduce in a fresh process (what a
     test suite's first threaded test costs), then of the other dtypes and ops.
-warm-up: `python -m shmcoll.warmup` (every kernel for every dtype).
+warm-up: `python -m shmcoll.engine.warmup` (every kernel for every dtype).
 
 Each case also counts the functions numba compiled (its compile events; summed over the
-ranks) and the kernel versions loaded from the kernels a wheel ships (shmcoll/prebuilt.py).
+ranks) and the kernel versions loaded from the kernels a wheel ships (shmcoll/native/prebuilt.py).
 By default the ranks run this source tree, which ships none: cold, they compile. With
 `--python`, they run that interpreter (a virtualenv with the built wheel installed) from
 outside this tree, so they import the installed package: cold is then a fresh install.
@@ -89,7 +89,7 @@ _event.register("numba:run_pass", _Count())
 def _counts(out):
     out["numba compilations"] = len(_compiled)
     try:
-        from shmcoll import prebuilt
+        from shmcoll.native import prebuilt
         out["shipped kernels loaded"] = prebuilt.counts()["shipped"]
     except ImportError:  # a tree from before them
         pass
@@ -213,9 +213,9 @@ def run_threads(cache_dir, timeout_s=600):
 
 def run_warmup(cache_dir, timeout_s=600):
     t = time.perf_counter()
-    subprocess.run([_PYTHON["exe"], "-m", "shmcoll.warmup"], env=_env(cache_dir), cwd=_cwd(),
+    subprocess.run([_PYTHON["exe"], "-m", "shmcoll.engine.warmup"], env=_env(cache_dir), cwd=_cwd(),
                    check=True, capture_output=True, timeout=timeout_s)
-    return {"python -m shmcoll.warmup": time.perf_counter() - t}
+    return {"python -m shmcoll.engine.warmup": time.perf_counter() - t}
 
 
 def _target(case, measure, cold, warm):

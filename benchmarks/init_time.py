@@ -5,7 +5,7 @@
         --out docs/results/init_time.jsonl
     python -m benchmarks.init_time --base main              # also shm of another revision
 
-Warm: numba's cache already holds the kernels (`python -m shmcoll.warmup` once, or any
+Warm: numba's cache already holds the kernels (`python -m shmcoll.engine.warmup` once, or any
 earlier job), and every rank is a process that has already imported torch and shmcoll
 when the clock starts: what an elastic restart, a test that makes a group, or a job's
 start pays after the first one on a machine. Each measurement is a fresh set of processes
@@ -25,7 +25,7 @@ rounds' ratios to gloo.
 (exported with `git archive`, its kernels warmed first) or a directory holding another
 copy, so an old and a new shm meet the same machine in the same run.
 
-For shm each rank also reports the phases of its group's creation (shmcoll.init_phases:
+For shm each rank also reports the phases of its group's creation (shmcoll.engine.init_phases:
 node discovery, segments, kernel loads in the warm-up thread, ...), printed as the median
 start and duration of each phase, relative to that rank's start of init_process_group;
 "torch and store (rest of init)" is what the phases leave of init_process_group (torch's
@@ -61,11 +61,11 @@ t = time.perf_counter()
 import shmcoll
 import_s = time.perf_counter() - t
 try:
-    from shmcoll import init_phases
+    from shmcoll.engine import init_phases
 except ImportError:  # a revision from before init_phases
     init_phases = None
 if preload == "preload":
-    from shmcoll import warmup
+    from shmcoll.engine import warmup
     warmup.warm_up(warmup.FIRST_REDUCERS)
 print("ready", flush=True)
 sys.stdin.readline()
@@ -148,7 +148,7 @@ def _base_tree(base, into):
         tree = Path(base)
     else:
         tree = export_revision(base, into)
-    subprocess.run([sys.executable, "-m", "shmcoll.warmup"], cwd=tree, env=_env(tree),
+    subprocess.run([sys.executable, "-m", "shmcoll.engine.warmup"], cwd=tree, env=_env(tree),
                    check=True, capture_output=True)
     return tree
 

@@ -1,6 +1,6 @@
 """DeviceArena: per-rank device slots, the flag words that order them, and the tier.
 
-Vocabulary as in shmcoll/protocol.py, on a device: a *slot* is one of a rank's device
+Vocabulary as in shmcoll/protocol/__init__.py, on a device: a *slot* is one of a rank's device
 buffers (or, in the host tier, one of the data slots of its host region); a *chunk* is the
 part of a collective that fits a slot; chunks are numbered g = 1, 2, ... in issue order,
 the same on every rank (chunk counts derive from fingerprint-checked arguments), and chunk

@@ -32,7 +32,7 @@ cyclically, as cuStreamWaitValue32's GEQ does: `a` is at or past `b` when
 (a - b) mod 2^32 < 2^31. Counters may therefore wrap; at most 2^31 steps may be in flight.
 """
 
-from shmcoll.atomics import read_acquire, write_release
+from shmcoll.native.atomics import read_acquire, write_release
 from shmcoll.errors import ShmcollError
 
 __all__ = ["DeviceError", "Allocation", "Mapping", "WORD_MASK", "at_or_past", "word_add",

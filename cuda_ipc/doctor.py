@@ -1,6 +1,6 @@
 """cuda_ipc's section of `python -m shmcoll.doctor` (GPUs, P2P, IPC, tiers: info.report)."""
 
-from shmcoll import doctor
+from shmcoll.tools import doctor
 
 from .info import report
 

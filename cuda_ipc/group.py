@@ -17,7 +17,7 @@ which is what a Work waits for.
 
 import torch
 
-from shmcoll.ops import DTYPES, reduce_spec
+from shmcoll.native.ops import DTYPES, reduce_spec
 
 from . import collectives as algos
 from .arena import DeviceArena

@@ -1,7 +1,7 @@
 """The reduction on device tensors: torch element-wise kernels in a fixed order.
 
 out = post * fold(op, pre * src_0, ..., pre * src_{K-1}), folded in rank order, exactly the
-definition of shmcoll.kernels.reduce_into, so every rank that reduces the same slots gets
+definition of shmcoll.native.reducers.reduce_into, so every rank that reduces the same slots gets
 bitwise-identical bytes (element-wise kernels are deterministic). float16 / bfloat16 are
 accumulated in float32 and rounded once: with two sources and no scaling torch's own
 half-precision kernels already compute in float32 and round once; otherwise the sum runs
@@ -16,7 +16,7 @@ is worth one (scripts/gpu_check.sh).
 
 import torch
 
-from shmcoll.kernels import OP_BAND, OP_BOR, OP_BXOR, OP_MAX, OP_MIN, OP_PRODUCT, OP_SUM
+from shmcoll.native.reducers import OP_BAND, OP_BOR, OP_BXOR, OP_MAX, OP_MIN, OP_PRODUCT, OP_SUM
 
 __all__ = ["reduce_into"]
 

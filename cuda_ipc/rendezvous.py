@@ -9,14 +9,14 @@ Ranks that are processes rendezvous through the process group's c10d store (the 
 store the shm segments were named through): every value lives under a per-rank
 generation prefix, so a group re-created on the same store never reads an old value, and
 every wait has the group's deadline and gives up as soon as the awaited rank's process
-exits (shm._wait_key). The host region of the arena (flag words; host-tier slots) is a
+exits (shm.wait_key). The host region of the arena (flag words; host-tier slots) is a
 shm.ShmRegions segment with its own layout: created O_EXCL 0600, verified on attach and
 unlinked once every rank attached, exactly like the engine's own regions.
 """
 
 import time
 
-from shmcoll.shm import ShmRegions, _wait_key
+from shmcoll.shm.segments import ShmRegions, wait_key
 
 __all__ = ["ProcessRendezvous", "ThreadRendezvous"]
 
@@ -45,7 +45,7 @@ class ProcessRendezvous:
             if peer == self.rank:
                 values.append(text)
                 continue
-            values.append(_wait_key(self._store, f"{self._base}/{what}/{peer}", self._deadline,
+            values.append(wait_key(self._store, f"{self._base}/{what}/{peer}", self._deadline,
                                     self._timeout_s, f"rank {peer}'s {what}",
                                     pid=self._pids[peer] or None))
         return values

@@ -32,7 +32,7 @@ import time
 import posix_ipc
 import torch
 
-from shmcoll.shm import segment_prefix
+from shmcoll.shm.segments import segment_prefix
 from shmcoll.errors import SegmentError
 
 from .device import Allocation, DeviceError, Mapping, at_or_past, read_word, write_word

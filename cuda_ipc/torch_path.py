@@ -14,8 +14,8 @@ collectives keep their issue order on one group. Returns a DeviceWork (work.py).
 
 import torch
 
-from shmcoll.group_args import _shape as _shape_word
-from shmcoll.ops import DTYPES, ReduceOp
+from shmcoll.engine.group_args import shape_word as _shape_word
+from shmcoll.native.ops import DTYPES, ReduceOp
 from shmcoll.torch_backend import checks
 from shmcoll.torch_backend.convert import SUPPORTED_DTYPES, reduce_op
 
@@ -36,7 +36,7 @@ def _code(t):
     return DTYPES[n].code if n is not None else 0
 
 
-def _shape(t):
+def shape_word(t):
     return _shape_word(None, tuple(t.shape))
 
 
@@ -117,7 +117,7 @@ class DevicePath:
             if len(bufs) > 1:  # gloo semantics: the whole list is reduced, every tensor gets it
                 local = ReduceOp.SUM if op in (ReduceOp.AVG, ReduceOp.PREMUL_SUM) else op
                 self.dg._local_fold(stream, first, [b.flat for b in bufs], dtype, local)
-            last = self.dg.all_reduce(first, dtype, op, premul, stream, t_s, _shape(tensors[0]))
+            last = self.dg.all_reduce(first, dtype, op, premul, stream, t_s, shape_word(tensors[0]))
             for b in bufs[1:]:
                 b.flat.copy_(first)
             for b in bufs:
@@ -150,7 +150,7 @@ class DevicePath:
 
         def run(stream, t_s):
             last = self.dg.reduce(buf.flat, root, dtype, op, premul, stream, t_s,
-                                  _shape(tensors[0]))
+                                  shape_word(tensors[0]))
             if self.pg.rank() == root:
                 buf.write_back()
             return last
@@ -194,7 +194,7 @@ class DevicePath:
             blocks = ibuf.flat.view(world, -1) if ibuf.flat.numel() else \
                 ibuf.flat.view(world, 0)
             last = self.dg.reduce_scatter(obuf.flat, blocks, dtype, op, premul, stream, t_s,
-                                          _shape(output))
+                                          shape_word(output))
             obuf.write_back()
             return last
         return self._call(name, run, [output], opts)
@@ -233,7 +233,7 @@ class DevicePath:
         def run(stream, t_s):
             src = bufs[index]
             last = self.dg.broadcast(_bytes(src.flat), root, _code(tensors[index]), stream, t_s,
-                                     _shape(tensors[index]))
+                                     shape_word(tensors[index]))
             for i, b in enumerate(bufs):
                 if i != index:
                     b.flat.copy_(src.flat)
@@ -266,7 +266,7 @@ class DevicePath:
         def run(stream, t_s):
             rows = _bytes(obuf.flat).view(world, -1)
             last = self.dg.all_gather(list(rows), _bytes(ibuf.flat), _code(input), stream, t_s,
-                                      _shape(input))
+                                      shape_word(input))
             obuf.write_back()
             return last
         return self._call(name, run, [output], opts)
@@ -298,7 +298,7 @@ class DevicePath:
             gathered = torch.empty((world, block.numel()), dtype=torch.uint8,
                                    device=block.device)
             last = self.dg.all_gather(list(gathered), block, _code(inputs[0]), stream, t_s,
-                                      _shape(inputs[0]))
+                                      shape_word(inputs[0]))
             for r, outs in enumerate(output_lists):
                 offset = 0
                 for dst, part in zip(outs, parts):
@@ -325,7 +325,7 @@ class DevicePath:
                 dsts = torch.empty((self.pg.size(), src.numel() * src.element_size()),
                                    dtype=torch.uint8, device=src.device)
             last = self.dg.gather(_bytes(src.contiguous()), None if dsts is None else list(dsts),
-                                  root, _code(src), stream, t_s, _shape(src))
+                                  root, _code(src), stream, t_s, shape_word(src))
             if dsts is not None:
                 for o, row in zip(outs, dsts):
                     _write(o, row)
@@ -343,7 +343,7 @@ class DevicePath:
             if self.pg.rank() == root:
                 pieces = torch.stack([_bytes(t.contiguous()) for t in ins])
             last = self.dg.scatter(_bytes(obuf.flat), pieces, root, _code(outputs[0]), stream,
-                                   t_s, _shape(outputs[0]))
+                                   t_s, shape_word(outputs[0]))
             obuf.write_back()
             return last
         return self._call(name, run, outputs, opts)

@@ -6,7 +6,7 @@
 `--base` is a git revision of this repository (exported with `git archive` into a temporary
 directory) or a directory holding another copy. Every round runs `python -m benchmarks.bench
 <args after -->` once from each tree, the order alternating between rounds, each tree on its
-own PYTHONPATH with its numba kernels warmed first (`python -m shmcoll.warmup`), so both
+own PYTHONPATH with its numba kernels warmed first (`python -m shmcoll.engine.warmup`), so both
 meet the same machine state within minutes of each other. Per row (op, world size, bytes,
 dtype): the median time of each version over the rounds, their ratio (B / A: below 1, this
 tree is faster) and the ratio of every round.
@@ -62,7 +62,7 @@ def main(argv=None):
         base = Path(args.base) if os.path.isdir(args.base) else export_revision(args.base, tmp)
         trees = {"A": base.resolve(), "B": _HERE}
         for tree in trees.values():
-            subprocess.run([sys.executable, "-m", "shmcoll.warmup"], cwd=tree, env=_env(tree),
+            subprocess.run([sys.executable, "-m", "shmcoll.engine.warmup"], cwd=tree, env=_env(tree),
                            check=True, capture_output=True)
         times = {"A": [], "B": []}
         for r in range(args.rounds):

@@ -7,7 +7,7 @@ alternating in blocks of calls.
     python -m lab.kernel_target --engine                # the protocol kernels
 
 The shmcoll package is copied into a temporary directory and its reducers built there for
-every --cpus (shmcoll.build_kernels.build, unchecked: whatever the loader would pick). This
+every --cpus (shmcoll.tools.build_kernels.build, unchecked: whatever the loader would pick). This
 process then loads each reducer from every build, as the shipped-kernel loader reads
 them, and compiles it for this CPU (kernels.reducer in this tree, which ships none), and
 times them through the engine's Python call (kernels.reduce_unchecked) over two sources
@@ -56,7 +56,7 @@ def _loaded(cpu_dir, cf):
     """Address of `cf`'s reducer as built in `cpu_dir` (kept alive with its library)."""
     from numba.core.registry import cpu_target
 
-    from shmcoll import prebuilt
+    from shmcoll.native import prebuilt
     manifest = json.loads((cpu_dir / prebuilt.MANIFEST).read_text())
     cache = prebuilt._ShippedCache(cf.__wrapped__, prebuilt.Status(cpu_dir, manifest=manifest))
     cres = cache.load_overload(cf._sig, cpu_target.target_context)
@@ -66,7 +66,7 @@ def _loaded(cpu_dir, cf):
 
 
 def _time(fns, kernel_op, dt, nbytes, blocks):
-    from shmcoll import kernels
+    from shmcoll.native import reducers
     n = nbytes // np.dtype(dt).itemsize
     a, b, out = np.ones(n, dt), np.ones(n, dt), np.empty(n, dt)
     srcs = np.array([a.ctypes.data, b.ctypes.data], np.int64)
@@ -78,7 +78,7 @@ def _time(fns, kernel_op, dt, nbytes, blocks):
             fn = fns[name]
             t = time.perf_counter()
             for _ in range(calls):
-                kernels.reduce_unchecked(out, srcs, fn, kernel_op)
+                reducers.reduce_unchecked(out, srcs, fn, kernel_op)
             times[name].append((time.perf_counter() - t) / calls)
     return times
 
@@ -88,7 +88,8 @@ _ENGINE_RANK = r'''
 import json, os, sys, time
 import numba, torch
 import shmcoll
-from shmcoll import prebuilt, protocol as drivers
+from shmcoll.native import prebuilt
+from shmcoll import protocol as drivers
 rank, store, sizes, blocks, calls = sys.argv[1], sys.argv[2], *map(json.loads, sys.argv[3:6])
 rank = int(rank)
 assert prebuilt.status().path is not None, prebuilt.status().reason
@@ -155,7 +156,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     cpus = args.cpus.split(",")
     sizes = [_parse_size(s) for s in args.sizes.split(",")]
-    from shmcoll import build_kernels, kernels, prebuilt
+    from shmcoll.tools import build_kernels
+    from shmcoll.native import reducers, prebuilt
     with tempfile.TemporaryDirectory(prefix="shmcoll-kernel-target-") as tmp:
         for name in ("shmcoll", "threaded_pg", "cuda_ipc"):  # the copy imports its own
             shutil.copytree(_HERE / name, Path(tmp) / name,
@@ -175,9 +177,9 @@ def main(argv=None):
               " ".join(f"{cpu + ' us':>13} {'ratio':>5} {'won':>4}" for cpu in cpus))
         keep = []
         for kind, dt, op in _CASES:
-            fns = {"host": kernels.reducer(dt, kind, op)}
-            cf = kernels._cfuncs[(np.dtype(dt), "same" if kind not in kernels.KINDS_16
-                                  else kind, op == kernels.OP_SUM)]
+            fns = {"host": reducers.reducer(dt, kind, op)}
+            cf = reducers._cfuncs[(np.dtype(dt), "same" if kind not in reducers.KINDS_16
+                                  else kind, op == reducers.OP_SUM)]
             for cpu in cpus:
                 fns[cpu], cres = _loaded(pkg / prebuilt.DIR_NAME / cpu, cf)
                 keep.append(cres)

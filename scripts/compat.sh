@@ -60,7 +60,7 @@ run_tests() {
     exit 2
   fi
   t0=$SECONDS
-  "$PY" -m shmcoll.warmup
+  "$PY" -m shmcoll.engine.warmup
   # What meets torch's version differences: the adapter and its seams (compat), gloo's
   # front-end seeds, futures and DDP hooks, threaded_pg, the programs (DDP, FSDP, DTensor,
   # DCP, pipelining, elastic), where the backends register, the CUDA path's torch surface

@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh
 PY=${PYTHON:-python3}
 t0=$SECONDS
-"$PY" -m shmcoll.warmup
+"$PY" -m shmcoll.engine.warmup
 "$PY" -m pytest tests -q -m "not slow" -p no:cacheprovider --ignore=tests/conformance \
     --durations 20 "$@"
 echo "test.sh: suite done at $((SECONDS - t0)) s"

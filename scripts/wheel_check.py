@@ -21,7 +21,7 @@ Exits non-zero if a result is wrong, if shmcoll was imported from outside --expe
 (a stray editable install or the source tree on sys.path), if the kernel cache is inside
 --expect-cache-outside (read-only site-packages), or, with --expect-no-compile, if numba
 compiled anything in a rank (or the thread run) or no shipped kernel was loaded: a fresh
-install must load the kernels the wheel ships (shmcoll/prebuilt.py), not compile them.
+install must load the kernels the wheel ships (shmcoll/native/prebuilt.py), not compile them.
 Compiles are counted by numba's compile events (every function numba compiles: ours,
 cfuncs and numba's own overloads alike), from the first group on.
 """
@@ -34,13 +34,13 @@ import sys
 import tempfile
 import time
 
-_ENGINE = ("numba", "shmcoll.group", "shmcoll.torch_backend.process_group")
+_ENGINE = ("numba", "shmcoll.engine.group", "shmcoll.torch_backend.process_group")
 
 _MIB = 1 << 20
 
 
 def _cases(torch, dist):
-    """(dtype, ops) of every all_reduce op a dtype supports (shmcoll.ops)."""
+    """(dtype, ops) of every all_reduce op a dtype supports (shmcoll.native.ops)."""
     floats = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
     ints = [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool]
     R = dist.ReduceOp
@@ -166,7 +166,7 @@ def _loaded(names):
 
 class _Recorder:
     """Every function numba compiles from now on: its type inference pass, as
-    shmcoll.prebuilt.CompileRecorder counts them, without importing shmcoll (--mode
+    shmcoll.native.prebuilt.CompileRecorder counts them, without importing shmcoll (--mode
     autoload: the first group must load it). Imports numba: after the import checks."""
 
     def __init__(self):
@@ -191,7 +191,7 @@ class _Recorder:
 
 
 def _counts():
-    from shmcoll import prebuilt
+    from shmcoll.native import prebuilt
     return prebuilt.counts()
 
 
@@ -277,7 +277,7 @@ def main():
             p.join(60)
 
     import shmcoll
-    from shmcoll import jit, prebuilt
+    from shmcoll.native import jit, prebuilt
     where, cache = os.path.realpath(shmcoll.__file__), jit.cache_dir()
     shipped = prebuilt.status()
     report = {"mode": args.mode, "shmcoll": where, "numba_cache": cache,

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CI: build shmcoll's wheel (its kernels compiled in: shmcoll/build_kernels.py), install it
+# CI: build shmcoll's wheel (its kernels compiled in: shmcoll/tools/build_kernels.py), install it
 # (and its dependencies) into fresh virtualenvs, and run from it, as a user who
 # pip-installs it would, asserting every time that numba compiled NOTHING (the kernels the
 # wheel ships are loaded): a 2-rank all_reduce without torch (the engine's numpy API); then,

@@ -25,10 +25,10 @@ __all__ = [
 __version__ = "0.1.0"
 
 _WHERE = {  # name -> the module that defines it (each kernel module imports jit first)
-    "Group": "group",
-    "ReduceOp": "ops",
-    "new_shm_group": "shm_group",
-    "FileStore": "store",
+    "Group": "engine.group",
+    "ReduceOp": "native.ops",
+    "new_shm_group": "shm.factory",
+    "FileStore": "shm.store",
     "ShmcollError": "errors",
     "CollectiveTimeoutError": "errors",
     "PeerLostError": "errors",

@@ -7,7 +7,7 @@ import time
 import torch
 
 from cuda_sim_util import device_group
-from shmcoll.ops import ReduceOp
+from shmcoll.native.ops import ReduceOp
 
 
 def _setup(c, timeout_s=30.0):

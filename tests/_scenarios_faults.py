@@ -280,7 +280,7 @@ def scenario_init_killed(c):
     args pause_at = "create" (right after creating it: before publishing it, so nobody can
     attach) or "attach" (after publishing it, before attaching peers: peers attach it and
     then wait for this rank)."""
-    from shmcoll import shm
+    from shmcoll.shm import segments as shm
     where = c.args.get("pause_at", "create")
     create, attach = shm.ShmRegions._create, shm.ShmRegions._attach
 
@@ -310,14 +310,14 @@ def scenario_init_only(c):
     """Create the group, report how that went (args announce: emit "waiting" with the key
     whenever init starts waiting for a store key)."""
     if c.args.get("announce"):
-        from shmcoll import shm
-        wait_key = shm._wait_key
+        from shmcoll.shm import segments as shm
+        wait_key = shm.wait_key
 
         def announced(store, key, *a, **k):
             c.emit("waiting", key=key)
             return wait_key(store, key, *a, **k)
 
-        shm._wait_key = announced
+        shm.wait_key = announced
     t0 = time.monotonic()
     try:
         c.new_group()

@@ -113,7 +113,7 @@ BITWISE = ("BAND", "BOR", "BXOR")
 
 def ops_for(dtype):
     """Reduce ops the engine supports for `dtype` (names)."""
-    from shmcoll.ops import _OPS_BY_KIND, DTYPES
+    from shmcoll.native.ops import _OPS_BY_KIND, DTYPES
     return sorted(o.name for o in _OPS_BY_KIND[DTYPES[dtype].kind])
 
 

@@ -19,7 +19,7 @@ def _hold_warm_up(c):
     compile lock, if it took it)."""
     from numba.core.compiler_lock import global_compiler_lock
 
-    from shmcoll import warmup
+    from shmcoll.engine import warmup
     ready_numba = warmup._ready_numba
 
     def held():
@@ -44,7 +44,7 @@ def _compile_lock_free():
     process's threads."""
     import fcntl
 
-    from shmcoll import jit
+    from shmcoll.native import jit
     if not jit._tlock.acquire(blocking=False):
         return False
     jit._tlock.release()
@@ -80,7 +80,7 @@ def scenario_kernels_deferred(c):
         a thread after 0.3 s, and each reports that close returned without error, after
         its warm-up."""
     import numpy as np
-    from shmcoll import warmup
+    from shmcoll.engine import warmup
     mode = c.args["mode"]
     peer_warm = os.path.join(c.spec["store"], "peer-warm")
     if c.rank == 0 or mode == "first":
@@ -154,7 +154,7 @@ def scenario_creation_without_numba(c):
 
     import torch
 
-    from shmcoll import warmup
+    from shmcoll.engine import warmup
     go = threading.Event()
     real = warmup.warm_up
 
@@ -166,8 +166,8 @@ def scenario_creation_without_numba(c):
     c.new_group()
     heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("numba", "llvmlite"))
     kernel_modules = sorted(m for m in sys.modules if m in (
-        "shmcoll.atomics", "shmcoll.kernels", "shmcoll.protocol_kernels", "shmcoll.p2p_cells",
-        "shmcoll.single_copy_kernels", "shmcoll.prebuilt"))
+        "shmcoll.native.atomics", "shmcoll.native.reducers", "shmcoll.protocol.kernels", "shmcoll.p2p.cells",
+        "shmcoll.native.single_copy_kernels", "shmcoll.native.prebuilt"))
     c.emit("created", heavy=heavy, kernel_modules=kernel_modules,
            ready=warmup.wait_ready(0))
     go.set()

@@ -16,7 +16,7 @@ from cuda_ipc.group import DeviceGroup
 from cuda_ipc.rendezvous import ProcessRendezvous
 from cuda_ipc.sim import SimDevice
 from shmcoll import config
-from shmcoll.ops import ReduceOp
+from shmcoll.native.ops import ReduceOp
 
 __all__ = ["device_group", "random_program", "run_program", "check"]
 

@@ -95,7 +95,7 @@ HEAVY = """
 import sys
 def heavy():
     return sorted(m for m in sys.modules if m.split(".")[0] == "numba" or m in (
-        "shmcoll.group", "shmcoll.protocol", "shmcoll.kernels",
+        "shmcoll.engine.group", "shmcoll.protocol", "shmcoll.native.reducers",
         "shmcoll.torch_backend.process_group", "threaded_pg.backend", "threaded_pg.group"))
 def threaded_names():
     # what threaded_pg registers: its alias, and "threaded" where torch lets a later

@@ -5,7 +5,7 @@ import itertools
 
 from benchmarks.traffic import MODEL, bytes_per_rank, ceiling_table, per_rank_bytes
 from shmcoll.algorithms import select
-from shmcoll.single_copy import CMA, IN_PROCESS, NONE
+from shmcoll.native.single_copy import CMA, IN_PROCESS, NONE
 
 
 def test_every_selectable_algorithm_has_a_model():

@@ -23,8 +23,9 @@ import test_torch_backend_pg as tbpg
 from cuda_ipc import tiers
 from cuda_ipc.device import DeviceError, at_or_past, word_add
 from cuda_ipc.reduce import reduce_into
-from shmcoll import config, kernels
-from shmcoll.ops import DTYPES, ReduceOp, reduce_spec
+from shmcoll import config
+from shmcoll.native import reducers
+from shmcoll.native.ops import DTYPES, ReduceOp, reduce_spec
 from support.torch_reference import ALL_DTYPES, assert_same
 
 SIM = {"SHMCOLL_CUDA_SIM": "inline"}
@@ -105,7 +106,7 @@ def test_reduce_matches_the_host_kernel(dtype, op, nsrc):
     rng = np.random.default_rng(nsrc * 100 + int(op))
     srcs = [_random(rng, d.storage if dtype != "bool" else np.bool_, 257) for _ in range(nsrc)]
     want = srcs[0].view(d.storage).copy()
-    kernels.reduce_into(want, np.array([s.ctypes.data for s in srcs], np.int64), spec.op,
+    reducers.reduce_into(want, np.array([s.ctypes.data for s in srcs], np.int64), spec.op,
                         spec.kind, spec.pre, spec.post)
     tsrcs = [torch.from_numpy(s.copy()) for s in srcs]
     out = torch.empty_like(tsrcs[0])

@@ -59,7 +59,7 @@ def _interleaved(rank, ws, store):
     import numpy as np
     import torch
     from cuda_sim_util import device_group
-    from shmcoll.ops import ReduceOp
+    from shmcoll.native.ops import ReduceOp
     group, dg, dev = device_group(store, rank, ws, delay_s=2e-4)
     try:
         dev_out, host_out = [], []
@@ -92,7 +92,7 @@ def _cycles(rank, ws, store, n):
 
     import torch
     from cuda_sim_util import device_group
-    from shmcoll.ops import ReduceOp
+    from shmcoll.native.ops import ReduceOp
     before = _shm_mappings()
     for i in range(n):
         sub = type(store)(os.path.join(store.path, f"c{i}"))
@@ -116,7 +116,7 @@ def test_init_destroy_cycles_leak_nothing():
 def _close_with_a_waiting_stream(rank, ws, store):
     import torch
     from cuda_sim_util import device_group
-    from shmcoll.ops import ReduceOp
+    from shmcoll.native.ops import ReduceOp
     group, dg, dev = device_group(store, rank, ws)
     t = torch.ones(1000)
     last = dg.all_reduce(t, "float32", ReduceOp.SUM)

@@ -219,7 +219,7 @@ def _cycles(rank, ws, store, n, budget_s, warm=5):
     from cuda_ipc.group import DeviceGroup
     from cuda_ipc.rendezvous import ProcessRendezvous
     from shmcoll import config
-    from shmcoll.ops import ReduceOp
+    from shmcoll.native.ops import ReduceOp
     torch.cuda.set_device(0)
     dev = cuda_mod.CudaDevice(0)
     cfg = config.from_env()

@@ -12,7 +12,8 @@ import textwrap
 
 import pytest
 
-from shmcoll import config, doctor
+from shmcoll import config
+from shmcoll.tools import doctor
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORES = len(os.sched_getaffinity(0))
@@ -131,8 +132,8 @@ def test_cache_cold_then_partly_warm(tmp_path):
     r = _doctor("--world-size", "2", "--threads", "1", env=env)
     assert r.returncode == 0, r.stderr
     assert f"numba caches shmcoll's kernels in {tmp_path}" in r.stdout
-    assert "WARN  cold: 0 of " in r.stdout and "python -m shmcoll.warmup" in r.stdout
-    warm_first = ("from shmcoll import warmup\n"
+    assert "WARN  cold: 0 of " in r.stdout and "python -m shmcoll.engine.warmup" in r.stdout
+    warm_first = ("from shmcoll.engine import warmup\n"
                   "warmup.warm_up(warmup.FIRST_REDUCERS)\n")
     subprocess.run([sys.executable, "-c", warm_first], env=dict(env, PYTHONPATH=REPO),
                    check=True, timeout=120)
@@ -141,7 +142,7 @@ def test_cache_cold_then_partly_warm(tmp_path):
 
 
 _FAKE_CUDA_IPC = textwrap.dedent("""
-    from shmcoll import doctor
+    from shmcoll.tools import doctor
 
     def _gpus(opts):
         return [doctor.Finding("FAIL", "GPU 0 -> GPU 1: IPC not permitted", "use --ipc=host")]

@@ -159,7 +159,7 @@ def test_rank_killed_during_init_fails_peers_fast(tmp_path):
             peer.join(30)
         victim.join(30)
     # rank 1's name stays (it died inside the window); the next init collects it
-    from shmcoll import shm
+    from shmcoll.shm import segments as shm
     assert created["name"] in shm.gc_stale() or created["name"] not in shm_entries()
 
 
@@ -304,7 +304,7 @@ def test_abort_while_idle_names_the_next_collective_not_the_completed_one():
     next collective as the aborted one. Aborting while a collective is unfinished still
     names that one."""
     from shmcoll.errors import CollectiveTimeoutError, GroupAbortedError
-    from shmcoll.group import Group
+    from shmcoll.engine.group import Group
     a0, a1 = _arena_pair()
     g0 = Group(a0, 0, 2, timeout_s=5.0)
     fp = (1,)  # Group.barrier's fingerprint

@@ -64,7 +64,7 @@ def test_segments_of_ranks_killed_during_init_are_collected_at_next_init(tmp_pat
     which a name exists) leaks those names -- and the next group init anywhere removes them
     (gc_stale at init: our uid, owner pid dead)."""
     import shmcoll
-    from shmcoll import shm
+    from shmcoll.shm import segments as shm
     with Job("init_killed", 2, tmp_path) as job:
         created = job.all_ranks("created")
         names = {e["name"] for e in created.values()}
@@ -117,7 +117,7 @@ def test_gc_stale_only_removes_dead_owners_segments(tmp_path):
 
     import posix_ipc
 
-    from shmcoll import shm
+    from shmcoll.shm import segments as shm
     dead = subprocess.Popen(["true"])
     dead.wait()
     live = subprocess.Popen(["sleep", "60"])
@@ -170,7 +170,8 @@ def test_segment_memory_is_reserved_at_create(tmp_path):
     """Guards: a new segment's pages are allocated up front (posix_fallocate: st_blocks
     covers the size), so a full /dev/shm fails at init and never SIGBUSes a collective later;
     its mode is exactly 0600 even under a permissive umask, owned by us."""
-    from shmcoll import protocol, shm
+    from shmcoll import protocol
+    from shmcoll.shm import segments as shm
     layout = protocol.RegionLayout(1 << 20, 2)
     regions = shm.ShmRegions.__new__(shm.ShmRegions)
     regions.rank, regions.world_size, regions.layout = 0, 2, layout

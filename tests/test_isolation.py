@@ -14,10 +14,11 @@ import pytest
 
 from _ranks import Job
 
-from shmcoll import protocol, shm
+from shmcoll import protocol
+from shmcoll.shm import segments as shm
 from shmcoll.algorithms.all_to_all import all_to_all_direct
 from shmcoll.errors import CollectiveMismatchError, SegmentError
-from shmcoll.group import describe_fingerprint
+from shmcoll.engine.group import describe_fingerprint
 
 
 # ========================================================= two concurrent jobs, live segments

@@ -17,7 +17,9 @@ import pytest
 import torch.distributed as dist
 
 import threaded_pg
-from shmcoll import atomics, jit, kernels, p2p_cells, protocol_kernels, single_copy_kernels
+from shmcoll.native import atomics, jit, reducers, single_copy_kernels
+from shmcoll.p2p import cells as p2p_cells
+from shmcoll.protocol import kernels as protocol_kernels
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -41,7 +43,8 @@ _WORKER = textwrap.dedent("""
                 compiled.append(fn.__qualname__)
 
     event.register("numba:compile", Record())
-    from shmcoll import kernels, warmup
+    from shmcoll.native import reducers as kernels
+    from shmcoll.engine import warmup
     start = sys.argv[1]
     while not os.path.exists(start):  # both workers start compiling together
         time.sleep(0.005)
@@ -81,7 +84,7 @@ def test_ranks_never_compile_the_same_kernel(tmp_path):
 
 _HOLD = textwrap.dedent("""
     import sys, time
-    from shmcoll import jit
+    from shmcoll.native import jit
     with jit.compiling("a test kernel"):
         print("held", flush=True)
         time.sleep(float(sys.argv[1]))
@@ -100,7 +103,7 @@ def test_lock_wait_has_a_deadline_naming_the_holder(tmp_path):
     env = _env(NUMBA_CACHE_DIR=str(tmp_path / "cache"))
     holder = _holder(env, 60)
     try:
-        code = ("from shmcoll import jit\n"
+        code = ("from shmcoll.native import jit\n"
                 "with jit.compiling('the float32 sum kernel'):\n    pass\n")
         t0 = time.monotonic()
         r = subprocess.run([sys.executable, "-c", code], env=dict(
@@ -122,7 +125,7 @@ def test_a_killed_holder_releases_the_lock(tmp_path):
     holder = _holder(env, 60)
     os.kill(holder.pid, signal.SIGKILL)
     holder.wait()
-    code = "from shmcoll import jit\nwith jit.compiling('x'):\n    print('got it')\n"
+    code = "from shmcoll.native import jit\nwith jit.compiling('x'):\n    print('got it')\n"
     t0 = time.monotonic()
     r = subprocess.run([sys.executable, "-c", code], env=dict(
         env, SHMCOLL_COMPILE_TIMEOUT_S="30"), capture_output=True, text=True, timeout=100)
@@ -218,10 +221,10 @@ def test_protocol_kernels_have_one_signature():
     each is compiled once (a second signature would be a whole recompile per dtype)."""
     threaded_pg.spawn(_every_kind_of_collective, 4)
     many = {}
-    for mod in (atomics, kernels, protocol_kernels, single_copy_kernels, p2p_cells):
+    for mod in (atomics, reducers, protocol_kernels, single_copy_kernels, p2p_cells):
         for name, d in vars(mod).items():
             if isinstance(d, numba.core.dispatcher.Dispatcher) and \
                     d.__module__ == mod.__name__ and len(d.signatures) > 1:
                 many[f"{mod.__name__}.{name}"] = [str(s) for s in d.signatures]
     assert not many, many
-    assert len({k for k in kernels._cfuncs}) >= 5  # one reducer per (dtype, sum or not)
+    assert len({k for k in reducers._cfuncs}) >= 5  # one reducer per (dtype, sum or not)

@@ -1,4 +1,4 @@
-"""shmcoll.kernels against numpy references: every (kind, dtype, op), K sources, bitwise."""
+"""shmcoll.native.reducers against numpy references: every (kind, dtype, op), K sources, bitwise."""
 
 import mmap
 import threading
@@ -6,7 +6,7 @@ import threading
 import numpy as np
 import pytest
 
-from shmcoll.kernels import (
+from shmcoll.native.reducers import (
     OP_BAND, OP_BOR, OP_BXOR, OP_MAX, OP_MIN, OP_PRODUCT, OP_SUM,
     bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, reduce_into, warm_up,
 )

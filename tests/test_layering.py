@@ -47,7 +47,7 @@ NO_TORCH_SCRIPT = """
 import sys
 sys.modules["torch"] = None  # any `import torch...` now raises ImportError
 import numpy as np
-import shmcoll, shmcoll.group, shmcoll.shm_group, shmcoll.algorithms
+import shmcoll, shmcoll.engine.group, shmcoll.shm.factory, shmcoll.algorithms
 loaded = sorted(k for k in sys.modules if k == "torch" or k.startswith("torch."))
 assert loaded == ["torch"] and sys.modules["torch"] is None, loaded
 g = shmcoll.new_shm_group(shmcoll.FileStore(sys.argv[1]), 0, 1)
@@ -249,7 +249,7 @@ import sys
 import shmcoll, threaded_pg
 assert "torch" not in sys.modules and "numba" not in sys.modules
 from shmcoll import *  # noqa
-assert Group.__module__ == "shmcoll.group" and issubclass(PeerLostError, ShmcollError)
+assert Group.__module__ == "shmcoll.engine.group" and issubclass(PeerLostError, ShmcollError)
 assert ReduceOp.SUM is shmcoll.ReduceOp.SUM and callable(new_shm_group) and FileStore
 assert "torch" not in sys.modules  # the engine, not the adapter
 assert "numba" not in sys.modules  # nor the kernels: compiled.py imports them on first use
@@ -287,13 +287,13 @@ def test_lazy_names_keep_the_api():
                                          for m in _top_level_imports(p))],
                          ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_numba_modules_import_jit(path):
-    """`import shmcoll` no longer imports shmcoll.jit (it imports numba): every module that
+    """`import shmcoll` no longer imports shmcoll.native.jit (it imports numba): every module that
     imports numba imports jit itself, at the top, so numba has a writable cache directory
     before the module defines a cached kernel. jit.py and the cache class it gives every
     kernel (prebuilt.py, which jit imports and which defines no kernel) excepted."""
     if path in (PACKAGE / "jit.py", PACKAGE / "prebuilt.py"):
         return
-    assert "shmcoll.jit" in _top_level_imports(path), \
+    assert "shmcoll.native.jit" in _top_level_imports(path), \
         f"shmcoll/{path.relative_to(PACKAGE)} imports numba but not `from . import jit`"
 
 
@@ -302,7 +302,7 @@ def test_numba_modules_import_jit(path):
 # a kernel; jit.py, whose kernel() / cfunc() (called only by the numba modules, as they
 # define their kernels) give each kernel prebuilt's cache; and the tools that run apart
 # from any group (the doctor, the wheel's build).
-NUMBA_IMPORTERS = {"shmcoll.compiled", "shmcoll.jit", "shmcoll.doctor", "shmcoll.build_kernels"}
+NUMBA_IMPORTERS = {"shmcoll.native.compiled", "shmcoll.native.jit", "shmcoll.doctor", "shmcoll.tools.build_kernels"}
 
 
 def _numba_modules():
@@ -325,13 +325,13 @@ def test_kernels_are_reached_only_through_compiled():
     of a module on it would run at the first collective, not at creation, but it would
     also bypass the one owner; the warm-up imports them through compiled as well)."""
     numba_modules = _numba_modules()
-    assert {"shmcoll.atomics", "shmcoll.kernels", "shmcoll.protocol_kernels",
-            "shmcoll.single_copy_kernels", "shmcoll.p2p_cells"} <= numba_modules, numba_modules
+    assert {"shmcoll.native.atomics", "shmcoll.native.reducers", "shmcoll.protocol.kernels",
+            "shmcoll.native.single_copy_kernels", "shmcoll.p2p.cells"} <= numba_modules, numba_modules
     graph = _import_graph()
     bad = sorted((m, sorted(graph[m] & numba_modules)) for m in graph
                  if m.startswith("shmcoll") and m not in numba_modules
                  and m not in NUMBA_IMPORTERS and graph[m] & numba_modules)
-    assert not bad, f"import a numba module other than through shmcoll.compiled: {bad}"
+    assert not bad, f"import a numba module other than through shmcoll.native.compiled: {bad}"
 
 
 def test_no_import_circles():
@@ -348,7 +348,7 @@ def test_circle_finder_sees_lazy_imports():
     `from ..pages import ...` in its __init__) and the lazy names of a package __init__
     are edges."""
     graph = _import_graph()
-    assert "shmcoll.pages" in graph["shmcoll.torch_backend.hier_pg"]
+    assert "shmcoll.native.pages" in graph["shmcoll.torch_backend.hier_pg"]
     assert "shmcoll.torch_backend.process_group" in graph["shmcoll.torch_backend"]
     assert "threaded_pg.spawning" in graph["threaded_pg"]
 
@@ -364,7 +364,7 @@ def test_import_module_calls_are_edges():
 def test_resolver_sees_relative_imports():
     """Guard for the checks above: the AST walk resolves `from .. import x` forms."""
     mods = {m for m, _, _ in _imports(PACKAGE / "algorithms" / "__init__.py")}
-    assert "shmcoll.single_copy" in mods and "shmcoll.algorithms.all_reduce" in mods, mods
+    assert "shmcoll.native.single_copy" in mods and "shmcoll.algorithms.all_reduce" in mods, mods
 
 
 # -- one writer per piece of state (STYLE.md §00, issue 24) -------------------------------

@@ -170,7 +170,7 @@ def test_one_step_waits_for_its_slot_before_writing_it():
     reading peer; here the peer never posts, so the claim times out with nothing posted."""
     from shmcoll import CollectiveTimeoutError
     from shmcoll import protocol
-    from shmcoll.group import Group
+    from shmcoll.engine.group import Group
 
     layout = protocol.RegionLayout(4096, 2)
     regions = [np.zeros(layout.nbytes, np.uint8) for _ in range(2)]

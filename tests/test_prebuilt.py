@@ -1,4 +1,4 @@
-"""Kernels shipped in the wheel (shmcoll/prebuilt.py, shmcoll/build_kernels.py): a build of
+"""Kernels shipped in the wheel (shmcoll/native/prebuilt.py, shmcoll/tools/build_kernels.py): a build of
 a group's first kernels into a copy of the package is loaded -- nothing compiled, right
 results, in rank processes and rank threads --; an edited source, another numba, a CPU
 without the target's features, a broken file: never loaded, the kernels compile as
@@ -15,7 +15,8 @@ import textwrap
 
 import pytest
 
-from shmcoll import build_kernels, prebuilt
+from shmcoll.tools import build_kernels
+from shmcoll.native import prebuilt
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -69,10 +70,10 @@ def _run(pkg, cache, code, *args):
 # reached by its address), counting numba's compiles.
 _REDUCE = """
     import json
-    from shmcoll import prebuilt
+    from shmcoll.native import prebuilt
     recorder = prebuilt.CompileRecorder()
     import numpy as np
-    from shmcoll import kernels
+    from shmcoll.native import reducers as kernels
     a, b = np.full(1000, 1.0, np.float32), np.full(1000, 2.0, np.float32)
     kernels.reduce_into(a, np.array([a.ctypes.data, b.ctypes.data], np.int64),
                         kernels.OP_SUM, "float")
@@ -86,7 +87,7 @@ _REDUCE = """
 # the close (which may need kernels the "first" build does not hold).
 _RANK = """
     import json, sys
-    from shmcoll import prebuilt
+    from shmcoll.native import prebuilt
     recorder = prebuilt.CompileRecorder()
     import numpy as np
     import shmcoll
@@ -103,7 +104,7 @@ _RANK = """
 # A 2-rank threaded_pg test: float32 all_reduce through dist.*.
 _THREADS = """
     import json
-    from shmcoll import prebuilt
+    from shmcoll.native import prebuilt
     recorder = prebuilt.CompileRecorder()
     import torch, torch.distributed as dist
     import threaded_pg
@@ -169,7 +170,7 @@ def test_an_edited_kernel_is_compiled_not_loaded(built, tmp_path):
     src.write_text(text.replace("d[j] = d[j] + x[j]\n", "d[j] = d[j] + x[j] + 1\n"))
     out, _ = _run(pkg, tmp_path / "cache", _REDUCE)
     assert out["got"] == 4.0 and out["all_same"]
-    assert "shmcoll.kernels._build_same.<locals>.reduce" in out["compiled"]
+    assert "shmcoll.native.reducers._build_same.<locals>.reduce" in out["compiled"]
     assert out["counts"]["shipped"] == 0
     assert out["path"] == "None" and "sources differ" in out["reason"]
 
@@ -178,7 +179,7 @@ def test_an_edit_elsewhere_in_the_package_turns_them_off(built, tmp_path):
     """A kernel's code also comes from other files (constants, intrinsics): any edit in the
     package, here a comment in a file with no kernel, and none is loaded."""
     pkg = _variant(built, tmp_path)
-    with open(pkg / "protocol_layout.py", "a") as f:
+    with open(pkg / "protocol/layout.py", "a") as f:
         f.write("# edited\n")
     out, _ = _run(pkg, tmp_path / "cache", _REDUCE)
     assert out["got"] == 3.0
@@ -194,7 +195,7 @@ def test_a_broken_file_turns_them_off_and_compiles(built, tmp_path):
         path.write_bytes(path.read_bytes()[:100])
     out, err = _run(pkg, tmp_path / "cache", _REDUCE)
     assert out["got"] == 3.0 and out["all_same"]
-    assert "shmcoll.kernels._build_same.<locals>.reduce" in out["compiled"]
+    assert "shmcoll.native.reducers._build_same.<locals>.reduce" in out["compiled"]
     assert "shipped kernels turned off" in err
 
 
@@ -217,7 +218,7 @@ def test_doctor_says_whether_they_match(built, tmp_path):
     pkg = _variant(built, tmp_path)
     code = """
         import json
-        from shmcoll import doctor
+        from shmcoll.tools import doctor
         print(json.dumps([f.level + " " + f.text for f in doctor.check_cache(None)]))
     """
     out, _ = _run(pkg, tmp_path / "cache", code)

@@ -121,7 +121,7 @@ def test_small_pages_bound_the_cma_all_reduce():
     rest; reduce_scatter, rank threads (no pages pinned) and huge pages are unaffected."""
     from shmcoll.algorithms import SINGLE_COPY_SMALL_PAGES_MAX, all_reduce_single_copy, \
         all_reduce_two_shot, reduce_scatter_single_copy
-    from shmcoll.single_copy import CMA, IN_PROCESS
+    from shmcoll.native.single_copy import CMA, IN_PROCESS
     most, most_ws = SINGLE_COPY_SMALL_PAGES_MAX[CMA]["all_reduce"]
 
     def ar(nbytes, ws, small, transport=CMA):
@@ -145,13 +145,13 @@ def test_small_pages_bound_the_cma_all_reduce():
     ("always", {}, False), ("madvise", {}, True), ("madvise", {"THP_MEM_ALLOC_ENABLE": "1"}, False),
     ("madvise", {"THP_MEM_ALLOC_ENABLE": "0"}, True), ("never", {"THP_MEM_ALLOC_ENABLE": "1"}, True)])
 def test_torch_buffers_small_pages(mode, env, small):
-    from shmcoll.pages import numpy_buffers_small_pages, torch_buffers_small_pages
+    from shmcoll.native.pages import numpy_buffers_small_pages, torch_buffers_small_pages
     assert torch_buffers_small_pages(mode, env) is small
     assert numpy_buffers_small_pages(mode) is (mode == "never")
 
 
 def test_thp_mode_reads_the_bracketed_word(tmp_path):
-    from shmcoll.pages import thp_mode
+    from shmcoll.native.pages import thp_mode
     f = tmp_path / "enabled"
     f.write_text("always [madvise] never\n")
     assert thp_mode(str(f)) == "madvise"

@@ -1,4 +1,4 @@
-"""Single-copy paths (shmcoll/single_copy.py): peers' buffers read where they lie, through
+"""Single-copy paths (shmcoll/native/single_copy.py): peers' buffers read where they lie, through
 process_vm_readv between rank processes and in place between rank threads.
 
 Exactness: the same case checks as the slot paths (bit-exact against the rank-order
@@ -17,7 +17,8 @@ import pytest
 import harness
 from cases import (assert_rank_results, case_name, check_all_gather, check_all_reduce,
                    check_broadcast, check_reduce_scatter, group_cases, run_cases)
-from shmcoll import ReduceOp, protocol, single_copy, single_copy_kernels
+from shmcoll import ReduceOp, protocol
+from shmcoll.native import single_copy, single_copy_kernels
 from shmcoll.algorithms import SINGLE_COPY_MIN
 from shmcoll.errors import CollectiveMismatchError, PeerLostError, ShmcollError
 

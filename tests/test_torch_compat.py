@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import harness
-from shmcoll.ops import ReduceOp
+from shmcoll.native.ops import ReduceOp
 from shmcoll.torch_backend import compat
 from shmcoll.torch_backend.convert import reduce_op
 

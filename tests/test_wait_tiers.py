@@ -14,9 +14,9 @@ import numba
 import numpy as np
 import pytest
 
-from shmcoll.atomics import (cpu_pause, load_acquire, monotonic_ns, wait_all_ge, wait_any_ge,
+from shmcoll.native.atomics import (cpu_pause, load_acquire, monotonic_ns, wait_all_ge, wait_any_ge,
                              write_release)
-from shmcoll.protocol_kernels import GIL_LEAVE_NS, _gil_enter, _gil_leave
+from shmcoll.protocol.kernels import GIL_LEAVE_NS, _gil_enter, _gil_leave
 from threaded_pg.arena import RankStates
 
 pytestmark = pytest.mark.timeout(60)
@@ -233,7 +233,7 @@ def _control_block():
 def _sleep_while_a_peer_posts(post, delay_s=0.1, timeout_s=5.0):
     """Seconds a sleep_on(target 1, `timeout_s`) took while another thread posts 1 after
     `delay_s` with `post`; and the SLEEPERS word seen by the poster."""
-    from shmcoll.protocol_kernels import post_wake, sleep_on
+    from shmcoll.protocol.kernels import post_wake, sleep_on
     words, posted, sleepers = _control_block()
     sleep_on(posted, 0, 0)  # compiled before timing
     post_wake(posted + 8 * 16, 0)  # (another line of the same block)
@@ -254,16 +254,16 @@ def _sleep_while_a_peer_posts(post, delay_s=0.1, timeout_s=5.0):
     return took, seen[0]
 
 
-@pytest.mark.skipif(not __import__("shmcoll.atomics").atomics.HAVE_FUTEX,
+@pytest.mark.skipif(not __import__("shmcoll.native.atomics").atomics.HAVE_FUTEX,
                     reason="no futex on this platform (sleeps are plain sleeps there)")
 def test_a_post_wakes_a_sleeper_at_once():
-    from shmcoll.protocol_kernels import post_wake
+    from shmcoll.protocol.kernels import post_wake
     took, sleepers = _sleep_while_a_peer_posts(post_wake)
     assert sleepers == 1  # the sleeper announced itself before sleeping
     assert took < 2.5, took  # woken by the post, not by its 5 s bound
 
 
-@pytest.mark.skipif(not __import__("shmcoll.atomics").atomics.HAVE_FUTEX,
+@pytest.mark.skipif(not __import__("shmcoll.native.atomics").atomics.HAVE_FUTEX,
                     reason="no futex on this platform (sleeps are plain sleeps there)")
 def test_a_post_without_the_wake_leaves_the_sleeper_to_its_bound():
     """The control for the test above: the plain release store of before (no wake) is
@@ -273,7 +273,7 @@ def test_a_post_without_the_wake_leaves_the_sleeper_to_its_bound():
 
 
 def test_sleep_on_a_word_already_there_returns_at_once():
-    from shmcoll.protocol_kernels import sleep_on
+    from shmcoll.protocol.kernels import sleep_on
     words, posted, sleepers = _control_block()
     words[0] = 7
     sleep_on(posted, 7, 0)
@@ -283,14 +283,15 @@ def test_sleep_on_a_word_already_there_returns_at_once():
     assert words[sleepers] == 0
 
 
-@pytest.mark.skipif(not __import__("shmcoll.atomics").atomics.HAVE_FUTEX,
+@pytest.mark.skipif(not __import__("shmcoll.native.atomics").atomics.HAVE_FUTEX,
                     reason="no futex on this platform (sleeps are plain sleeps there)")
 @pytest.mark.parametrize("who", ["own_abort", "peer_abort", "peer_close"])
 def test_a_state_change_wakes_a_sleeping_wait_at_once(monkeypatch, who):
     """Rule 5: an abort or close wakes the sleepers, so with sleeps bounded at 30 s a rank
     asleep in its slow wait for a peer's post still fails at once when another thread
     aborts its own group, or when the peer aborts or closes."""
-    from shmcoll import protocol, protocol_waits
+    from shmcoll import protocol
+    from shmcoll.protocol import waits as protocol_waits
     from shmcoll.errors import GroupAbortedError, PeerLostError
     monkeypatch.setattr(protocol_waits, "FUTEX_SLEEP_MIN_S", 30.0)
     monkeypatch.setattr(protocol_waits, "FUTEX_SLEEP_MAX_S", 30.0)

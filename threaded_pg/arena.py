@@ -1,6 +1,6 @@
 """In-process regions for one group of rank threads, and the protocol.Arena over them.
 
-Vocabulary as in shmcoll/protocol.py: a *region* is one rank's header + control block +
+Vocabulary as in shmcoll/protocol/__init__.py: a *region* is one rank's header + control block +
 slots, laid out by protocol.RegionLayout. Here every region is a zeroed numpy uint8 buffer
 in this process instead of a POSIX segment; the header is written with
 protocol.write_header exactly as shm.py does, and the Arena is protocol.Arena itself, so the
@@ -21,10 +21,10 @@ import threading
 
 import numpy as np
 
-from shmcoll.group import describe_fingerprint, is_oversubscribed
-from shmcoll.atomics import write_release
+from shmcoll.engine.group import describe_fingerprint, is_oversubscribed
+from shmcoll.native.atomics import write_release
 from shmcoll.protocol import LINE_NBYTES, Arena, write_header
-from shmcoll.single_copy import IN_PROCESS, NONE
+from shmcoll.native.single_copy import IN_PROCESS, NONE
 
 __all__ = ["ThreadRegions", "RankStates", "new_thread_arena", "thread_liveness", "is_spin_off",
            "REGION_ALIGN_NBYTES"]

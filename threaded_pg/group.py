@@ -18,7 +18,7 @@ import time
 
 from shmcoll import config as _config
 from shmcoll.errors import CollectiveTimeoutError, GroupAbortedError
-from shmcoll.group import Group
+from shmcoll.engine.group import Group
 from shmcoll.p2p import P2PEngine
 from shmcoll.protocol import RegionLayout
 

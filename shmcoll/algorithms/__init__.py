@@ -6,7 +6,7 @@ seam (protocol.Arena), so the process engine and the threaded engine run the sam
 
 from ..protocol import ONE_STEP_BROADCAST, ONE_STEP_GATHER, ONE_STEP_REDUCE, \
     ONE_STEP_REDUCE_SCATTER
-from ..single_copy import CMA, IN_PROCESS, NONE
+from ..native.single_copy import CMA, IN_PROCESS, NONE
 from .all_gather import all_gather_direct, all_gather_single_copy
 from .all_reduce import STREAM_NBYTES, all_reduce_one_shot, all_reduce_single_copy, \
     all_reduce_two_shot, one_shot_sub_nbytes

@@ -1,6 +1,6 @@
 """reduce algorithms over an Arena."""
 
-from .. import compiled
+from ..native import compiled
 
 __all__ = ["reduce_direct"]
 

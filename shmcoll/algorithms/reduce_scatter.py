@@ -1,6 +1,6 @@
 """reduce_scatter algorithms over an Arena."""
 
-from .. import compiled
+from ..native import compiled
 
 __all__ = ["reduce_scatter_direct", "reduce_scatter_single_copy"]
 

@@ -59,8 +59,8 @@ def new_hier_group(store, rank, layout, make_transport, timeout_s=1800.0, cfg=No
 
     make_transport(store, base, layout, rank, timeout_s) -> a wire.py Transport."""
     from .. import config as _config
-    from ..group import is_oversubscribed
-    from ..shm_group import new_shm_group
+    from ..engine.group import is_oversubscribed
+    from ..shm.factory import new_shm_group
     from .faults import Board
     from .group import HierGroup
     cfg = cfg or _config.from_env()

@@ -5,9 +5,9 @@ rank, consumes no sequence number and leaves the group usable."""
 
 import numpy as np
 
-from ..group import Group
-from ..group_args import _all_to_all_args, _bytes, _check_arrays, _code_of, _Flat, _shape
-from ..ops import ReduceOp, dtype_of, reduce_spec
+from ..engine.group import Group
+from ..engine.group_args import all_to_all_args, as_bytes, check_arrays, dtype_code, Flat, shape_word
+from ..native.ops import ReduceOp, dtype_of, reduce_spec
 from . import move, reduce
 
 __all__ = ["Collectives"]
@@ -31,11 +31,11 @@ class Collectives:
     def all_reduce(self, array, op=ReduceOp.SUM, dtype=None, timeout_s=None, premul=1.0):
         """Reduce `array` over all ranks, in place (order: hier/reduce.py)."""
         self._usable("all_reduce")
-        _check_arrays("all_reduce", [array])
+        check_arrays("all_reduce", [array])
         dt = dtype_of(array, dtype)
         reduce_spec(op, dt, self.world_size, "all_reduce", premul)
-        f = _Flat(array, dt.storage)
-        self.run("all_reduce", (dt.code, f.flat.size, 0, int(op), _shape(array)),
+        f = Flat(array, dt.storage)
+        self.run("all_reduce", (dt.code, f.flat.size, 0, int(op), shape_word(array)),
                  reduce.all_reduce, f.flat, dt, op, premul, timeout_s=timeout_s,
                  nbytes=f.flat.nbytes)
         f.write_back()
@@ -45,11 +45,11 @@ class Collectives:
         """Reduce `array` over all ranks into `root`'s array (others keep theirs)."""
         self._usable("reduce")
         self._root("reduce", root)
-        _check_arrays("reduce", [array])
+        check_arrays("reduce", [array])
         dt = dtype_of(array, dtype)
         reduce_spec(op, dt, self.world_size, "reduce", premul)
-        f = _Flat(array, dt.storage)
-        self.run("reduce", (dt.code, f.flat.size, root, int(op), _shape(array)),
+        f = Flat(array, dt.storage)
+        self.run("reduce", (dt.code, f.flat.size, root, int(op), shape_word(array)),
                  reduce.reduce, f.flat, dt, op, premul, root, timeout_s=timeout_s,
                  nbytes=f.flat.nbytes)
         if self.rank == root:
@@ -61,19 +61,19 @@ class Collectives:
         """out = reduction over ranks of their ins[rank]; `ins`: a list of world_size
         arrays (sizes may differ per destination) or one array of world_size * out.size."""
         self._usable("reduce_scatter")
-        _check_arrays("reduce_scatter", [out])
+        check_arrays("reduce_scatter", [out])
         dt = dtype_of(out, dtype)
         reduce_spec(op, dt, self.world_size, "reduce_scatter", premul)
         if type(ins) is np.ndarray and ins.flags.c_contiguous and ins.dtype == out.dtype \
                 and ins.size == self.world_size * out.size:
-            blocks = _bytes(ins).view(dt.storage)
+            blocks = as_bytes(ins).view(dt.storage)
             sizes, form = [out.size] * self.world_size, 0
         else:
             ins = self._split_in("reduce_scatter", ins, out)
             blocks = [np.ascontiguousarray(a).reshape(-1).view(dt.storage) for a in ins]
             sizes, form = [b.size for b in blocks], 1
-        f = _Flat(out, dt.storage, copy_in=False)
-        self.run("reduce_scatter", (dt.code, sum(sizes), form, int(op), _shape(None, sizes)),
+        f = Flat(out, dt.storage, copy_in=False)
+        self.run("reduce_scatter", (dt.code, sum(sizes), form, int(op), shape_word(None, sizes)),
                  reduce.reduce_scatter, f.flat, blocks, sizes, dt, op, premul,
                  timeout_s=timeout_s, nbytes=sum(sizes) * out.itemsize)
         f.write_back()
@@ -83,10 +83,10 @@ class Collectives:
         """Copy `array` from `root` to every rank, in place."""
         self._usable("broadcast")
         self._root("broadcast", root)
-        _check_arrays("broadcast", [array])
-        f = _Flat(array, array.dtype, copy_in=(self.rank == root))
-        self.run("broadcast", (_code_of(array), f.flat.size, root, 0, _shape(array)),
-                 move.broadcast, _bytes(f.flat), root, timeout_s=timeout_s,
+        check_arrays("broadcast", [array])
+        f = Flat(array, array.dtype, copy_in=(self.rank == root))
+        self.run("broadcast", (dtype_code(array), f.flat.size, root, 0, shape_word(array)),
+                 move.broadcast, as_bytes(f.flat), root, timeout_s=timeout_s,
                  nbytes=f.flat.nbytes)
         if self.rank != root:
             f.write_back()
@@ -96,19 +96,19 @@ class Collectives:
         """outs[j] (a list of world_size arrays, or one array of world_size * array.size
         elements) receives rank j's `array`."""
         self._usable("all_gather")
-        _check_arrays("all_gather", [array])
+        check_arrays("all_gather", [array])
         src = np.ascontiguousarray(array)
         n = self.world_size
         if type(outs) is np.ndarray and outs.flags.c_contiguous and outs.flags.writeable \
                 and outs.dtype == array.dtype and outs.size == n * array.size:
-            self.run("all_gather", (_code_of(array), src.size, 0, 0, _shape(array)),
-                     move.all_gather, _bytes(src), _bytes(outs), timeout_s=timeout_s,
+            self.run("all_gather", (dtype_code(array), src.size, 0, 0, shape_word(array)),
+                     move.all_gather, as_bytes(src), as_bytes(outs), timeout_s=timeout_s,
                      nbytes=src.nbytes)
             return outs
         outs, whole = self._split_out("all_gather", outs, array)
         gathered = np.empty(n * src.nbytes, np.uint8)
-        self.run("all_gather", (_code_of(array), src.size, 1, 0, _shape(array)),
-                 move.all_gather, _bytes(src), gathered, timeout_s=timeout_s,
+        self.run("all_gather", (dtype_code(array), src.size, 1, 0, shape_word(array)),
+                 move.all_gather, as_bytes(src), gathered, timeout_s=timeout_s,
                  nbytes=src.nbytes)
         _unpack(gathered, outs, whole)
         return outs
@@ -118,8 +118,8 @@ class Collectives:
         src, outs, whole = self._gather_args(array, outs, root)
         gathered = np.empty(self.world_size * src.nbytes, np.uint8) if self.rank == root \
             else None
-        self.run("gather", (_code_of(array), src.size, root, 0, _shape(array)), move.gather,
-                 _bytes(src), gathered, root, timeout_s=timeout_s, nbytes=src.nbytes)
+        self.run("gather", (dtype_code(array), src.size, root, 0, shape_word(array)), move.gather,
+                 as_bytes(src), gathered, root, timeout_s=timeout_s, nbytes=src.nbytes)
         if self.rank == root:
             _unpack(gathered, outs, whole)
         return outs
@@ -128,24 +128,24 @@ class Collectives:
         """Rank j's `out` receives root's ins[j]; non-roots pass ins=None."""
         self._usable("scatter")
         self._root("scatter", root)
-        _check_arrays("scatter", [out])
+        check_arrays("scatter", [out])
         src = None
         if self.rank == root:
             pieces = self._split_in("scatter", ins, out)
-            src = np.concatenate([_bytes(np.ascontiguousarray(a)) for a in pieces])
-        f = _Flat(out, out.dtype, copy_in=False)
-        self.run("scatter", (_code_of(out), f.flat.size, root, 0, _shape(out)), move.scatter,
-                 _bytes(f.flat), src, root, timeout_s=timeout_s, nbytes=f.flat.nbytes)
+            src = np.concatenate([as_bytes(np.ascontiguousarray(a)) for a in pieces])
+        f = Flat(out, out.dtype, copy_in=False)
+        self.run("scatter", (dtype_code(out), f.flat.size, root, 0, shape_word(out)), move.scatter,
+                 as_bytes(f.flat), src, root, timeout_s=timeout_s, nbytes=f.flat.nbytes)
         f.write_back()
         return out
 
     def all_to_all(self, outs, ins, timeout_s=None):
         """outs[j] receives rank j's ins[rank]; sizes may differ per pair (must agree)."""
         self._usable("all_to_all")
-        src, flats = _all_to_all_args(self.world_size, outs, ins)
-        self.run("all_to_all", (_code_of(outs[0]) if outs else 0, 0, 0, 0, 0),
+        src, flats = all_to_all_args(self.world_size, outs, ins)
+        self.run("all_to_all", (dtype_code(outs[0]) if outs else 0, 0, 0, 0, 0),
                  move.all_to_all,
-                 [_bytes(f.flat) for f in flats], src, timeout_s=timeout_s,
+                 [as_bytes(f.flat) for f in flats], src, timeout_s=timeout_s,
                  nbytes=sum(s.size for s in src))
         for f in flats:
             f.write_back()
@@ -163,8 +163,8 @@ def _unpack(gathered, outs, whole):
     """Write world_size equal blocks of `gathered` into the output arrays."""
     n = gathered.size // max(len(outs), 1)
     for j, o in enumerate(outs):
-        f = _Flat(o, o.dtype, copy_in=False)
-        _bytes(f.flat)[:] = gathered[j * n:(j + 1) * n]
+        f = Flat(o, o.dtype, copy_in=False)
+        as_bytes(f.flat)[:] = gathered[j * n:(j + 1) * n]
         f.write_back()
     for w in whole:
         w.write_back()

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..errors import (CollectiveMismatchError, CollectiveTimeoutError, GroupAbortedError,
                       PeerLostError, ShmcollError)
-from ..group import COLLECTIVES, Group, describe_fingerprint
+from ..engine.group import COLLECTIVES, Group, describe_fingerprint
 from . import faults, wire
 from .api import Collectives
 from .faults import Watchdog

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 import posix_ipc
 
 from ..errors import SegmentError
-from ..init_phases import phase
-from ..shm import _wait_key, segment_prefix
+from ..engine.init_phases import phase
+from ..shm.segments import wait_key, segment_prefix
 
 __all__ = ["NodeLayout", "identity", "discover"]
 
@@ -268,7 +268,7 @@ def _get_all(store, keys, deadline, timeout_s, reused=None):
     waiting and at the deadline; a reason it gives ends the wait."""
     check = getattr(store, "check", None)
     if check is None:
-        return [_wait_key(store, k, deadline, timeout_s, f"store key {k!r}") for k in keys]
+        return [wait_key(store, k, deadline, timeout_s, f"store key {k!r}") for k in keys]
     delay = 1e-4
     next_look = time.monotonic() + _REUSED_CHECK_S
     while not check(keys):

@@ -25,8 +25,8 @@ few bytes as anything can) or, from 3 nodes and RS_MIN_NBYTES, a reduce-scatter
 
 import numpy as np
 
-from .. import compiled
-from ..ops import ReduceOp, reduce_spec
+from ..native import compiled
+from ..native.ops import ReduceOp, reduce_spec
 from . import wire
 
 __all__ = ["all_reduce", "reduce_scatter", "reduce", "exchange_reduce", "level_ops",

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..ops import ReduceOp
+from ..native.ops import ReduceOp
 from .compat import premul_factor
 
 __all__ = ["as_array", "tensor_array", "plain_array", "engine_dtype", "reduce_op", "timeout_s",

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as _c10d
 
-from ..ops import ReduceOp
+from ..native.ops import ReduceOp
 from .compat import OPTIONS_HAVE_ASYNC_OP
 from .convert import plain_array
 

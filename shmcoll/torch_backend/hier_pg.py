@@ -22,7 +22,7 @@ import torch.distributed as dist
 from .. import config as _config
 from ..errors import GroupAbortedError
 from ..hier import discover, new_hier_group
-from ..init_phases import phase
+from ..engine.init_phases import phase
 from . import checks
 from .process_group import EngineProcessGroup, ShmOptions
 from .work import torch_error
@@ -59,8 +59,8 @@ class ProcessGroupShm(EngineProcessGroup):
 
     def __init__(self, store, rank, size, options=None, timeout=None, group_name=None,
                  token=None):
-        from ..pages import torch_buffers_small_pages
-        from ..shm_group import new_shm_group
+        from ..native.pages import torch_buffers_small_pages
+        from ..shm.factory import new_shm_group
 
         if isinstance(options, datetime.timedelta):
             options, timeout = None, options
@@ -85,7 +85,7 @@ class HierProcessGroup(EngineProcessGroup):
     """torch ProcessGroup "shm" whose ranks span nodes (see the module docstring)."""
 
     def __init__(self, store, rank, size, layout, options):
-        from ..pages import torch_buffers_small_pages
+        from ..native.pages import torch_buffers_small_pages
         from .inter_node import make_transport  # gloo channels: only a group on several nodes
 
         group = new_hier_group(store, rank, layout, make_transport,

@@ -5,8 +5,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .. import compiled
-from ..ops import ReduceOp, dtype_of, reduce_spec
+from ..native import compiled
+from ..native.ops import ReduceOp, dtype_of, reduce_spec
 from . import checks
 from . import sparse as _sparse
 from .convert import as_array, reduce_op

@@ -121,7 +121,7 @@ def _register_plugin(name: str) -> None:
             # 3-rank subset took 320 s instead of ~110). The main suite covers a rank's
             # own first load.
             import shmcoll.torch_backend.process_group  # noqa: F401
-            from shmcoll import warmup
+            from shmcoll.engine import warmup
             warmup.warm_up(warmup.FIRST_REDUCERS)
         return
     raise ConformanceSetupError(f"unknown plugin {name!r}")

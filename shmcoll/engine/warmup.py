@@ -1,6 +1,6 @@
 """Compile (or load from numba's cache) kernels once, off the first collective's path.
 
-`python -m shmcoll.warmup` compiles every kernel for every dtype into numba's cache (~10 s
+`python -m shmcoll.engine.warmup` compiles every kernel for every dtype into numba's cache (~10 s
 on the 2-core VM, once per machine, Python and numba version); nothing needs it, but it
 takes the cold start (docs/COLD_START.md) out of a first job, e.g. in a container image.
 
@@ -31,9 +31,9 @@ import time
 
 import numpy as np
 
-from . import compiled
+from ..native import compiled
 from .init_phases import phase
-from .op_codes import OP_SUM
+from ..native.op_codes import OP_SUM
 
 __all__ = ["warm_up", "warm_up_async", "wait_ready", "ensure", "FIRST_REDUCERS"]
 

@@ -96,14 +96,14 @@ fingerprints are compared, never used as lengths.
 
 Where the code is: this module holds the Arena (framing, slots, post/wait, the compiled
 drivers, single copy, lifecycle: one class in sections, over its views and addresses of the
-regions) and re-exports the names of the others: protocol_layout.py (the numbers of the
-layout above and of the compiled steps, RegionLayout, the header), protocol_kernels.py (the
+regions) and re-exports the names of the others: protocol/layout.py (the numbers of the
+layout above and of the compiled steps, RegionLayout, the header), protocol/kernels.py (the
 steps as compiled kernels, and the kernel sets that load them on first use; reached through
 compiled.py when first needed, so that importing this module and making an Arena import no
-numba; its names are not re-exported), protocol_steps.py (the Arena's
+numba; its names are not re-exported), protocol/steps.py (the Arena's
 bookkeeping, each in an object that alone writes it: StepClock, the steps and slots of
 rules 2, 3 and 6; Frame, the collective in progress: seq, name, deadline, fingerprint) and
-protocol_waits.py (PeerWatch: the wait tiers, the Python slow wait of rule 5 and every
+protocol/waits.py (PeerWatch: the wait tiers, the Python slow wait of rule 5 and every
 error; it writes nothing and returns the fingerprint check's verdict).
 """
 
@@ -111,9 +111,9 @@ import time
 
 import numpy as np
 
-from . import compiled, jit
-from .errors import CollectiveMismatchError, ShmcollError
-from .protocol_layout import (  # noqa: F401  (re-exported: shm.py, p2p.py, threaded_pg, cuda_ipc)
+from ..native import compiled, jit
+from ..errors import CollectiveMismatchError, ShmcollError
+from .layout import (  # noqa: F401  (re-exported: shm.py, p2p.py, threaded_pg, cuda_ipc)
     _CFG_VERIFY,
     _EXCHANGE,
     _NO_BYTES,
@@ -155,8 +155,8 @@ from .protocol_layout import (  # noqa: F401  (re-exported: shm.py, p2p.py, thre
     read_header,
     write_header,
 )
-from .protocol_steps import Frame, StepClock
-from .protocol_waits import (  # noqa: F401  (re-exported: p2p.py, shm_group.py)
+from .steps import Frame, StepClock
+from .waits import (  # noqa: F401  (re-exported: p2p.py, shm_group.py)
     SLEEP_MAX_S,
     SLEEP_MIN_S,
     SLOW_YIELD_NS,
@@ -164,7 +164,7 @@ from .protocol_waits import (  # noqa: F401  (re-exported: p2p.py, shm_group.py)
     YIELD_NS,
     PeerWatch,
 )
-from .single_copy import CMA, NONE, PIECE_NBYTES
+from ..native.single_copy import CMA, NONE, PIECE_NBYTES
 
 __all__ = [
     "MAGIC",
@@ -202,7 +202,7 @@ class Arena:
 
     Its state: the views and addresses of the regions (set here, never changed), the
     rule-4 switch and the single-copy scratch. Its collaborators own the rest
-    (protocol_steps.py, protocol_waits.py): `_clock` (StepClock: my step, what every peer
+    (protocol/steps.py, protocol/waits.py): `_clock` (StepClock: my step, what every peer
     posted, the slot rotation), `frame` (Frame: the collective in progress; read by
     cuda_ipc) and `_watch` (PeerWatch: the slow wait and the errors).
     """

@@ -16,7 +16,7 @@ stream guard: the collective's name, seq and timeout).
 
 import time
 
-from .protocol_layout import FP_WORDS
+from .layout import FP_WORDS
 
 __all__ = ["StepClock", "Frame"]
 

@@ -48,8 +48,8 @@ P2P never touches POSTED, SEQ or fingerprints, so it interleaves freely with col
 
 Where the code is: this module posts, sends, receives and matches, checks deadlines and
 peers, and fails, aborts and closes (P2PEngine: the rings, queues, requests, their lock and
-the failure state; Request); p2p_cells.py holds the cell kernels (rules 1-3) and their
-kernel sets; p2p_progress.py the progress thread (ProgressLoop: it owns the thread, its stop
+the failure state; Request); p2p/cells.py holds the cell kernels (rules 1-3) and their
+kernel sets; p2p/progress.py the progress thread (ProgressLoop: it owns the thread, its stop
 flag, its wake event and its waits, and calls the engine's progress, check_pending, fail
 and fail_all), as gloo splits tcp::Pair from tcp::Loop.
 """
@@ -62,12 +62,12 @@ import time
 
 import numpy as np
 
-from . import compiled, jit
-from .errors import CollectiveMismatchError, CollectiveTimeoutError, GroupAbortedError, \
+from ..native import compiled, jit
+from ..errors import CollectiveMismatchError, CollectiveTimeoutError, GroupAbortedError, \
     PeerLostError, ShmcollError
-from .p2p_progress import ProgressLoop
-from .protocol import LINE_NBYTES, SPINS, STATE_ABORTED, STATE_CLOSED, STATE_LIVE, W_STATE
-from .protocol_layout import _CELL_KERNELS, _NEVER, ANY_SOURCE
+from .progress import ProgressLoop
+from ..protocol import LINE_NBYTES, SPINS, STATE_ABORTED, STATE_CLOSED, STATE_LIVE, W_STATE
+from ..protocol.layout import _CELL_KERNELS, _NEVER, ANY_SOURCE
 
 __all__ = ["P2PEngine", "Request", "ANY_SOURCE", "ensure_kernels", "ensure_progress_wait"]
 

@@ -24,10 +24,11 @@ import time
 
 import numpy as np
 
-from . import algorithms, compiled
-from .errors import CollectiveMismatchError, CollectiveTimeoutError, ShmcollError
-from .group_args import _all_to_all_args, _bytes, _check_arrays, _code_of, _Flat, _shape
-from .ops import DTYPE_BY_CODE, ReduceOp, dtype_of, reduce_spec
+from .. import algorithms
+from ..native import compiled
+from ..errors import CollectiveMismatchError, CollectiveTimeoutError, ShmcollError
+from .group_args import all_to_all_args, as_bytes, check_arrays, dtype_code, Flat, shape_word
+from ..native.ops import DTYPE_BY_CODE, ReduceOp, dtype_of, reduce_spec
 
 __all__ = ["Group", "COLLECTIVES"]
 
@@ -311,9 +312,9 @@ class Group:
         if self._poison is not None or self._closed or self._kernels is not None:
             self._usable("all_reduce")
         if type(array) is not np.ndarray:
-            _check_arrays("all_reduce", [array])
+            check_arrays("all_reduce", [array])
         flags = array.flags
-        if flags.c_contiguous and flags.writeable:  # the common case: no _Flat, plan cached
+        if flags.c_contiguous and flags.writeable:  # the common case: no Flat, plan cached
             key = ("all_reduce", array.dtype, array.shape, op, dtype, premul)
             plan = self._plans.get(key)
             if plan is None:
@@ -329,11 +330,11 @@ class Group:
             return array
         dt = dtype_of(array, dtype)
         spec = reduce_spec(op, dt, self.world_size, "all_reduce", premul)
-        f = _Flat(array, dt.storage)
+        f = Flat(array, dt.storage)
         flat = f.flat
         algo = _local_reduce if self._arena is None else \
             self._select("all_reduce", flat.nbytes)
-        self._run("all_reduce", (dt.code, flat.size, 0, int(op), _shape(array)), algo,
+        self._run("all_reduce", (dt.code, flat.size, 0, int(op), shape_word(array)), algo,
                   flat, spec, timeout_s=timeout_s, nbytes=flat.nbytes)
         f.write_back()
         return array
@@ -347,7 +348,7 @@ class Group:
         spec = reduce_spec(op, dt, self.world_size, "all_reduce", premul)
         algo = _local_reduce if self._arena is None else \
             self._select("all_reduce", array.nbytes)
-        return self._plan(key, "all_reduce", (dt.code, array.size, 0, int(op), _shape(array)),
+        return self._plan(key, "all_reduce", (dt.code, array.size, 0, int(op), shape_word(array)),
                           algo, array.nbytes, dt.storage, spec,
                           None if array.dtype == dt.storage else dt.storage)
 
@@ -358,7 +359,7 @@ class Group:
         spec = reduce_spec(op, dt, self.world_size, "reduce_scatter", premul)
         sizes = (out.size,) * self.world_size
         return self._plan(key, "reduce_scatter", (dt.code, sum(sizes), 0, int(op),
-                                                  _shape(None, sizes)),
+                                                  shape_word(None, sizes)),
                           self._select("reduce_scatter", ins.nbytes), ins.nbytes, dt.storage,
                           spec, None if ins.dtype == dt.storage else dt.storage)
 
@@ -366,13 +367,13 @@ class Group:
         """Reduce `array` over all ranks into `root`'s array (others keep theirs)."""
         self._usable("reduce")
         self._root("reduce", root)
-        _check_arrays("reduce", [array])
+        check_arrays("reduce", [array])
         dt = dtype_of(array, dtype)
         spec = reduce_spec(op, dt, self.world_size, "reduce", premul)
-        f = _Flat(array, dt.storage)
+        f = Flat(array, dt.storage)
         algo = _local_reduce_rooted if self._arena is None else \
             self._select("reduce", f.flat.nbytes)
-        self._run("reduce", (dt.code, f.flat.size, root, int(op), _shape(array)), algo,
+        self._run("reduce", (dt.code, f.flat.size, root, int(op), shape_word(array)), algo,
                   f.flat, root, spec, timeout_s=timeout_s, nbytes=f.flat.nbytes)
         if self.rank == root:
             f.write_back()
@@ -394,15 +395,15 @@ class Group:
                 src = ins if ins.ndim == 1 else ins.reshape(-1)
                 if plan.view is not None:
                     src = src.view(plan.view)
-                self._run_one_step("reduce_scatter", plan, src, _bytes(out), -1, timeout_s)
+                self._run_one_step("reduce_scatter", plan, src, as_bytes(out), -1, timeout_s)
                 return out
-        _check_arrays("reduce_scatter", [out])
+        check_arrays("reduce_scatter", [out])
         dt = dtype_of(out, dtype)
         spec = reduce_spec(op, dt, self.world_size, "reduce_scatter", premul)
         if type(ins) is np.ndarray and ins.flags.c_contiguous and ins.dtype == out.dtype \
                 and ins.size == self.world_size * out.size:
             # One contiguous input of equal blocks (reduce_scatter_tensor): no split.
-            blocks = _bytes(ins).view(dt.storage)
+            blocks = as_bytes(ins).view(dt.storage)
             sizes = (out.size,) * self.world_size
             nbytes = blocks.nbytes
             form = 0
@@ -412,10 +413,10 @@ class Group:
             sizes = tuple(b.size for b in blocks)
             nbytes = sum(b.nbytes for b in blocks)
             form = 1  # the root word: the list form takes other steps (see all_gather)
-        f = _Flat(out, dt.storage, copy_in=False)
+        f = Flat(out, dt.storage, copy_in=False)
         algo = _local_reduce_scatter if self._arena is None else \
             self._select("reduce_scatter", nbytes if form == 0 else 0)
-        self._run("reduce_scatter", (dt.code, sum(sizes), form, int(op), _shape(None, sizes)),
+        self._run("reduce_scatter", (dt.code, sum(sizes), form, int(op), shape_word(None, sizes)),
                   algo, blocks, f.flat, spec, timeout_s=timeout_s, nbytes=nbytes)
         f.write_back()
         return out
@@ -432,20 +433,20 @@ class Group:
             plan = self._plans.get(key)
             if plan is None:
                 self._root("broadcast", root)
-                plan = self._plan(key, "broadcast", (_code_of(array), array.size, root, 0,
-                                                     _shape(array)),
+                plan = self._plan(key, "broadcast", (dtype_code(array), array.size, root, 0,
+                                                     shape_word(array)),
                                   self._select("broadcast", array.nbytes), array.nbytes,
                                   np.dtype(np.uint8))
             if plan.mode is not None:
-                self._run_one_step("broadcast", plan, _bytes(array), None, root,
+                self._run_one_step("broadcast", plan, as_bytes(array), None, root,
                                    timeout_s)
                 return array
         self._root("broadcast", root)
-        _check_arrays("broadcast", [array])
-        f = _Flat(array, array.dtype, copy_in=(self.rank == root))
-        self._run("broadcast", (_code_of(array), f.flat.size, root, 0, _shape(array)),
+        check_arrays("broadcast", [array])
+        f = Flat(array, array.dtype, copy_in=(self.rank == root))
+        self._run("broadcast", (dtype_code(array), f.flat.size, root, 0, shape_word(array)),
                   _local_nothing if self._arena is None else
-                  self._select("broadcast", f.flat.nbytes), _bytes(f.flat), root,
+                  self._select("broadcast", f.flat.nbytes), as_bytes(f.flat), root,
                   timeout_s=timeout_s, nbytes=f.flat.nbytes)
         if self.rank != root:
             f.write_back()
@@ -456,7 +457,7 @@ class Group:
         elements) receives rank j's `array`."""
         if self._poison is not None or self._closed or self._kernels is not None:
             self._usable("all_gather")
-        _check_arrays("all_gather", [array])
+        check_arrays("all_gather", [array])
         if type(outs) is np.ndarray and outs.flags.c_contiguous and outs.flags.writeable \
                 and outs.dtype == array.dtype and outs.size == self.world_size * array.size:
             # One contiguous output (all_gather_into_tensor): gathered straight into it.
@@ -465,27 +466,27 @@ class Group:
                 key = ("all_gather", array.dtype, array.shape)
                 plan = self._plans.get(key)
                 if plan is None:
-                    plan = self._plan(key, "all_gather", (_code_of(array), src.size, 0, 0,
-                                                          _shape(array)),
+                    plan = self._plan(key, "all_gather", (dtype_code(array), src.size, 0, 0,
+                                                          shape_word(array)),
                                       self._select("all_gather", src.nbytes), src.nbytes,
                                       np.dtype(np.uint8))
                 if plan.mode is not None:
-                    self._run_one_step("all_gather", plan, _bytes(src), _bytes(outs), -1,
+                    self._run_one_step("all_gather", plan, as_bytes(src), as_bytes(outs), -1,
                                        timeout_s)
                     return outs
-            self._run("all_gather", (_code_of(array), src.size, 0, 0, _shape(array)),
+            self._run("all_gather", (dtype_code(array), src.size, 0, 0, shape_word(array)),
                       _local_all_gather if self._arena is None else
                       self._select("all_gather", src.nbytes),
-                      _bytes(src), _bytes(outs), timeout_s=timeout_s, nbytes=src.nbytes)
+                      as_bytes(src), as_bytes(outs), timeout_s=timeout_s, nbytes=src.nbytes)
             return outs
         outs, whole = self._split_out("all_gather", outs, array)
         src = np.ascontiguousarray(array)
-        flats = [_Flat(o, o.dtype, copy_in=False) for o in outs]
+        flats = [Flat(o, o.dtype, copy_in=False) for o in outs]
         # root word 1: the list form moves its bytes in other steps than the one-array
         # form (and never single-copy), so a rank calling the other form must mismatch
-        self._run("all_gather", (_code_of(array), src.size, 1, 0, _shape(array)),
+        self._run("all_gather", (dtype_code(array), src.size, 1, 0, shape_word(array)),
                   _local_all_gather if self._arena is None else self._select("all_gather", 0),
-                  _bytes(src), [_bytes(f.flat) for f in flats], timeout_s=timeout_s,
+                  as_bytes(src), [as_bytes(f.flat) for f in flats], timeout_s=timeout_s,
                   nbytes=src.nbytes)
         for f in flats + whole:
             f.write_back()
@@ -494,10 +495,10 @@ class Group:
     def gather(self, array, outs=None, root=0, timeout_s=None):
         """Root's outs[j] receives rank j's array; non-roots pass outs=None."""
         src, outs, whole = self._gather_args(array, outs, root)
-        flats = [_Flat(o, o.dtype, copy_in=False) for o in outs] if self.rank == root else []
-        self._run("gather", (_code_of(array), src.size, root, 0, _shape(array)),
+        flats = [Flat(o, o.dtype, copy_in=False) for o in outs] if self.rank == root else []
+        self._run("gather", (dtype_code(array), src.size, root, 0, shape_word(array)),
                   _local_all_gather_rooted if self._arena is None else self._select("gather", 0),
-                  _bytes(src), [_bytes(f.flat) for f in flats], root, timeout_s=timeout_s,
+                  as_bytes(src), [as_bytes(f.flat) for f in flats], root, timeout_s=timeout_s,
                   nbytes=src.nbytes)
         for f in flats + whole:
             f.write_back()
@@ -507,24 +508,24 @@ class Group:
         """Rank j's `out` receives root's ins[j]; non-roots pass ins=None."""
         self._usable("scatter")
         self._root("scatter", root)
-        _check_arrays("scatter", [out])
+        check_arrays("scatter", [out])
         pieces = []
         if self.rank == root:
-            pieces = [_bytes(np.ascontiguousarray(a)) for a in self._split_in("scatter", ins, out)]
-        f = _Flat(out, out.dtype, copy_in=False)
-        self._run("scatter", (_code_of(out), f.flat.size, root, 0, _shape(out)),
+            pieces = [as_bytes(np.ascontiguousarray(a)) for a in self._split_in("scatter", ins, out)]
+        f = Flat(out, out.dtype, copy_in=False)
+        self._run("scatter", (dtype_code(out), f.flat.size, root, 0, shape_word(out)),
                   _local_scatter if self._arena is None else self._select("scatter", 0),
-                  pieces, _bytes(f.flat), root, timeout_s=timeout_s, nbytes=f.flat.nbytes)
+                  pieces, as_bytes(f.flat), root, timeout_s=timeout_s, nbytes=f.flat.nbytes)
         f.write_back()
         return out
 
     def all_to_all(self, outs, ins, timeout_s=None):
         """outs[j] receives rank j's ins[rank]; sizes may differ per pair (must agree)."""
         self._usable("all_to_all")
-        src, flats = _all_to_all_args(self.world_size, outs, ins)
-        self._run("all_to_all", (_code_of(outs[0]) if outs else 0, 0, 0, 0),
+        src, flats = all_to_all_args(self.world_size, outs, ins)
+        self._run("all_to_all", (dtype_code(outs[0]) if outs else 0, 0, 0, 0),
                   _local_all_to_all if self._arena is None else self._select("all_to_all", 0),
-                  src, [_bytes(f.flat) for f in flats], timeout_s=timeout_s,
+                  src, [as_bytes(f.flat) for f in flats], timeout_s=timeout_s,
                   nbytes=sum(s.size for s in src))
         for f in flats:
             f.write_back()
@@ -538,28 +539,28 @@ class Group:
         (_split_out's `whole`; [] elsewhere))."""
         self._usable("gather")
         self._root("gather", root)
-        _check_arrays("gather", [array])
+        check_arrays("gather", [array])
         whole = []
         if self.rank == root:
             outs, whole = self._split_out("gather", outs, array)
         return np.ascontiguousarray(array), outs, whole
 
     def _split_out(self, name, outs, array):
-        """-> (world_size output arrays, [_Flat to write back after the collective]).
+        """-> (world_size output arrays, [Flat to write back after the collective]).
 
-        One output array is split through a _Flat: `reshape(-1)` of a strided array may be
+        One output array is split through a Flat: `reshape(-1)` of a strided array may be
         a copy, and results written into a copy would be lost."""
         whole = []
         if isinstance(outs, np.ndarray):
             if outs.size != self.world_size * array.size:
                 raise ValueError(f"{name}: output has {outs.size} elements, expected "
                                  f"{self.world_size} x {array.size}")
-            whole = [_Flat(outs, outs.dtype, copy_in=False)]
+            whole = [Flat(outs, outs.dtype, copy_in=False)]
             flat = whole[0].flat
             outs = np.split(flat, self.world_size) if flat.size else [flat] * self.world_size
         if len(outs) != self.world_size:
             raise ValueError(f"{name}: expected {self.world_size} outputs, got {len(outs)}")
-        _check_arrays(name, [array] + list(outs), same_dtype=True)
+        check_arrays(name, [array] + list(outs), same_dtype=True)
         for o in outs:
             if o.nbytes != array.nbytes:
                 raise ValueError(f"{name}: output has {o.nbytes} bytes, input {array.nbytes}")
@@ -574,7 +575,7 @@ class Group:
                 [ins.reshape(-1)] * self.world_size
         if len(ins) != self.world_size:
             raise ValueError(f"{name}: expected {self.world_size} inputs, got {len(ins)}")
-        _check_arrays(name, [out] + list(ins), same_dtype=True)
+        check_arrays(name, [out] + list(ins), same_dtype=True)
         if ins[self.rank].size != out.size:
             raise ValueError(f"{name}: input for rank {self.rank} has {ins[self.rank].size} "
                              f"elements, output {out.size}")
@@ -604,15 +605,15 @@ class Group:
         """Start sending `array` to rank `dst`; returns a p2p.Request (wait() -> None).
         Completes once the data is in the mailbox; do not modify `array` before that."""
         engine = self._p2p_engine("send", dst, "destination")
-        data = _bytes(np.ascontiguousarray(array))
+        data = as_bytes(np.ascontiguousarray(array))
         return engine.isend(data, dst, tag, self._p2p_timeout(timeout_s))
 
     def irecv(self, array, src=None, tag=0, timeout_s=None):
         """Start receiving into `array` from rank `src` (None: any rank); returns a
         p2p.Request whose wait() returns the sender's rank."""
         engine = self._p2p_engine("recv", src, "source")
-        f = _Flat(array, array.dtype, copy_in=False)
-        return engine.irecv(_bytes(f.flat), src, tag, self._p2p_timeout(timeout_s),
+        f = Flat(array, array.dtype, copy_in=False)
+        return engine.irecv(as_bytes(f.flat), src, tag, self._p2p_timeout(timeout_s),
                             f.write_back if f._copied else None)
 
     def send(self, array, dst, tag=0, timeout_s=None):
@@ -653,7 +654,7 @@ class Group:
         if self._aborter is not None:
             self._aborter()
         if self._poison is None:
-            from .errors import GroupAbortedError
+            from ..errors import GroupAbortedError
             self._poison = GroupAbortedError(f"group {self.name!r} was aborted on rank {self.rank}")
 
     def close(self):

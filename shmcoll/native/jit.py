@@ -34,8 +34,8 @@ import tempfile
 import threading
 import time
 
-from . import config
-from .errors import CollectiveTimeoutError
+from .. import config
+from ..errors import CollectiveTimeoutError
 
 __all__ = ["kernel", "cfunc", "compiling", "once", "is_done", "cache_dir", "cached_entries",
            "LOCK_NAME"]
@@ -209,7 +209,7 @@ def _timeout(what, waited_s, holder):
         f"compiling {what}: waited {waited_s:.0f} s for shmcoll's kernel compile lock, held "
         f"by pid {holder} ({cache_dir()}/{LOCK_NAME}); that process compiles kernels into "
         f"the same numba cache. Raise SHMCOLL_COMPILE_TIMEOUT_S, or run `python -m "
-        f"shmcoll.warmup` once before the job")
+        f"shmcoll.engine.warmup` once before the job")
 
 
 def _flock(fd, what, deadline, t0):

@@ -1,11 +1,11 @@
 """The engine's compiled side, imported on first use: the one way the numba-free engine
-(protocol.py, protocol_waits.py, p2p.py, p2p_progress.py, ops.py, group.py, algorithms/,
+(protocol.py, protocol/waits.py, p2p.py, p2p/progress.py, ops.py, group.py, algorithms/,
 hier/, the torch adapter) reaches a kernel.
 
     compiled.atomics            atomics.py: intrinsics, waits, read_acquire / write_release
     compiled.kernels            kernels.py: the reducers, reduce_into / reduce_unchecked
-    compiled.protocol_kernels   protocol_kernels.py: the protocol's steps and kernel sets
-    compiled.p2p_cells          p2p_cells.py: the mailbox cells' kernels
+    compiled.protocol_kernels   protocol/kernels.py: the protocol's steps and kernel sets
+    compiled.p2p_cells          p2p/cells.py: the mailbox cells' kernels
     compiled.single_copy        single_copy_kernels.py: process_vm_readv and its phases
 
 Each name imports its module (and so numba, ~0.3 s, and numba's CPU target on the first
@@ -25,11 +25,11 @@ def __getattr__(name):
     if name == "atomics":
         from . import atomics as module
     elif name == "kernels":
-        from . import kernels as module
+        from . import reducers as module
     elif name == "protocol_kernels":
-        from . import protocol_kernels as module
+        from ..protocol import kernels as module
     elif name == "p2p_cells":
-        from . import p2p_cells as module
+        from ..p2p import cells as module
     elif name == "single_copy":
         from . import single_copy_kernels as module
     else:

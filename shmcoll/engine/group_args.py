@@ -5,10 +5,10 @@ group.py and hier/api.py.
 
 import numpy as np
 
-from .ops import dtype_of
+from ..native.ops import dtype_of
 
 
-class _Flat:
+class Flat:
     """A 1-D contiguous view of an array; a temporary copy for strided ones, written back."""
 
     __slots__ = ("array", "flat", "_copied")
@@ -28,12 +28,12 @@ class _Flat:
             self.array[...] = self.flat.view(self.array.dtype).reshape(self.array.shape)
 
 
-def _bytes(array):
+def as_bytes(array):
     """Flat uint8 view of a C-contiguous array (callers make it contiguous first)."""
     return array.reshape(-1).view(np.uint8)
 
 
-def _check_arrays(name, arrays, same_dtype=False):
+def check_arrays(name, arrays, same_dtype=False):
     """Arguments are numpy arrays (TypeError otherwise), of one dtype where bytes move
     between them (a float64 input into float32 outputs would be silently reinterpreted)."""
     for i, a in enumerate(arrays):
@@ -43,7 +43,7 @@ def _check_arrays(name, arrays, same_dtype=False):
             raise TypeError(f"{name}: mixed dtypes: {arrays[0].dtype} and {a.dtype} at index {i}")
 
 
-def _shape(array, extra=()):
+def shape_word(array, extra=()):
     """Fingerprint word for the array's shape (None: only `extra`, e.g. reduce_scatter's
     split sizes, whose outputs legitimately differ in shape per rank). Equal shapes give
     equal words on every rank (hashes of int tuples do not depend on PYTHONHASHSEED)."""
@@ -51,19 +51,19 @@ def _shape(array, extra=()):
     return hash((shape, tuple(extra))) & 0x7FFFFFFFFFFFFFFF
 
 
-def _code_of(array):
+def dtype_code(array):
     try:
         return dtype_of(array).code
     except TypeError:
         return 0
 
 
-def _all_to_all_args(world_size, outs, ins):
+def all_to_all_args(world_size, outs, ins):
     """all_to_all's checked arguments (the engine's and the hierarchical group's): the
-    inputs as contiguous bytes, and a _Flat of every output (write_back() after the call)."""
+    inputs as contiguous bytes, and a Flat of every output (write_back() after the call)."""
     if len(ins) != world_size or len(outs) != world_size:
         raise ValueError(f"all_to_all: expected {world_size} inputs and outputs, got "
                          f"{len(ins)} and {len(outs)}")
-    _check_arrays("all_to_all", list(outs) + list(ins), same_dtype=True)
-    return ([_bytes(np.ascontiguousarray(a)) for a in ins],
-            [_Flat(o, o.dtype, copy_in=False) for o in outs])
+    check_arrays("all_to_all", list(outs) + list(ins), same_dtype=True)
+    return ([as_bytes(np.ascontiguousarray(a)) for a in ins],
+            [Flat(o, o.dtype, copy_in=False) for o in outs])

@@ -6,7 +6,7 @@ aborted peer, the deadline, a fingerprint mismatch (rule 4), a failed single-cop
 control-block views and word addresses, their pids, the liveness callback and the
 fingerprint renderer. It writes no state: a wait returns when every peer arrived or raises;
 the fingerprint check returns its verdict (None or the error to raise), and the Arena,
-which owns the step clock (protocol_steps.py), undoes the slot rotation on a mismatch. The
+which owns the step clock (protocol/steps.py), undoes the slot rotation on a mismatch. The
 collective's name, seq, timeout and deadline come from the Arena's Frame, passed to each
 call. protocol.py re-exports the constants.
 """
@@ -14,17 +14,17 @@ call. protocol.py re-exports the constants.
 import errno
 import time
 
-from . import compiled, jit
-from .errors import (
+from ..native import compiled, jit
+from ..errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
     GroupAbortedError,
     PeerLostError,
     ShmcollError,
 )
-from .protocol_layout import _EXCHANGE, FP_LINE0, FP_RING, LINE_WORDS, STATE_ABORTED, \
+from .layout import _EXCHANGE, FP_LINE0, FP_RING, LINE_WORDS, STATE_ABORTED, \
     STATE_CLOSED, STATE_LIVE, W_POSTED, W_SEQ, W_STATE
-from .single_copy import errno_text
+from ..native.single_copy import errno_text
 
 # Wait tiers (see DESIGN_NOTES §14), all inside the compiled wait (atomics.wait_all_ge):
 # SPINS pause-polls (~10 us): brief, because on a VM a long PAUSE loop can trigger

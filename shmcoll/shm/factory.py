@@ -2,13 +2,13 @@
 
 import numpy as np
 
-from . import config as _config
-from .group import Group, describe_fingerprint, is_oversubscribed
-from .init_phases import phase
-from .p2p import P2PEngine
-from .pages import numpy_buffers_small_pages
-from .protocol import YIELD_NS, Arena, RegionLayout
-from .shm import PidLiveness, ShmRegions
+from .. import config as _config
+from ..engine.group import Group, describe_fingerprint, is_oversubscribed
+from ..engine.init_phases import phase
+from ..p2p import P2PEngine
+from ..native.pages import numpy_buffers_small_pages
+from ..protocol import YIELD_NS, Arena, RegionLayout
+from .segments import PidLiveness, ShmRegions
 
 __all__ = ["new_shm_group"]
 
@@ -34,9 +34,9 @@ def new_shm_group(store, rank, world_size, timeout_s=1800.0, cfg=None, name="",
     the ranks read it in a store round (shm.ShmRegions)."""
     if not 0 <= rank < world_size:
         raise ValueError(f"new_shm_group: rank {rank} is outside world size {world_size}")
-    # Imported here, not at module level: `python -m shmcoll.warmup` imports the package
+    # Imported here, not at module level: `python -m shmcoll.engine.warmup` imports the package
     # first, and a module already imported by it would run twice (runpy warns).
-    from .warmup import ensure, wait_ready, warm_up_async
+    from ..engine.warmup import ensure, wait_ready, warm_up_async
     cfg = cfg or _config.from_env()
     if world_size == 1:  # no shared memory; a private region carries self-sends
         layout = RegionLayout(64, 2, 1, _config.p2p_cells(cfg, 1), cfg.p2p_cell_nbytes)

@@ -11,16 +11,16 @@ Python turn around each of them (`_gil_enter` / `_gil_leave`). The kernels move 
 reduce through a reducer's address (kernels.call_reduce), so each compiles once for every
 dtype. The Arena reaches them through compiled.py (on first use, not at import); their
 numbers (modes, the one-step kernel's constants, the kernel sets' names) are in
-protocol_layout.py.
+protocol/layout.py.
 """
 
 import numpy as np
 
-from . import jit
-from .atomics import add_release, cas_acq_rel, copy_bytes, cpu_pause, fence_seq_cst, \
+from ..native import jit
+from ..native.atomics import add_release, cas_acq_rel, copy_bytes, cpu_pause, fence_seq_cst, \
     futex_wait, futex_wake, load_acquire, monotonic_ns, sched_yield, store_release, wait_all_ge
-from .kernels import call_reduce
-from .protocol_layout import (  # noqa: F401  (the steps' numbers; also read here by tests)
+from ..native.reducers import call_reduce
+from .layout import (  # noqa: F401  (the steps' numbers; also read here by tests)
     _CFG_FP0,
     _CFG_GIL,
     _CFG_GIL_ME,
@@ -57,8 +57,8 @@ from .protocol_layout import (  # noqa: F401  (the steps' numbers; also read her
     STREAM_REDUCE,
     STREAM_RING,
 )
-from .single_copy import CMA
-from .single_copy_kernels import gather_from_peers, reduce_from_peers
+from ..native.single_copy import CMA
+from ..native.single_copy_kernels import gather_from_peers, reduce_from_peers
 
 
 

@@ -3,7 +3,7 @@ and `RegionLayout` (where the slots and the point-to-point area lie).
 
 protocol.py's docstring draws the layout and states the rules that use it; this module holds
 only the numbers, so that the Arena (protocol.py), its compiled steps
-(protocol_kernels.py), the segments (shm.py) and the mailboxes (p2p.py) share them without
+(protocol/kernels.py), the segments (shm.py) and the mailboxes (p2p.py) share them without
 importing one another. protocol.py re-exports every name.
 """
 
@@ -35,7 +35,7 @@ _H_WORDS_END = 104
 HEADER_PROBE_NBYTES = _H_WORDS_END  # what single_copy.probe reads back (token included)
 
 
-# -- the compiled steps' numbers (protocol_kernels.py; here so that the Arena imports no numba)
+# -- the compiled steps' numbers (protocol/kernels.py; here so that the Arena imports no numba)
 
 # Rank threads only (Arena gil_turn): how long a rank whose wait completed waits (pause
 # polls, or yields when oversubscribed) for the Python turn before taking the GIL anyway;
@@ -52,7 +52,7 @@ ONE_STEP_REDUCE, ONE_STEP_BROADCAST, ONE_STEP_GATHER, ONE_STEP_REDUCE_SCATTER = 
 (_CFG_RANK, _CFG_SPINS, _CFG_YIELD_NS, _CFG_POSTED, _CFG_STATE, _CFG_SEQ, _CFG_GIL,
  _CFG_GIL_ME, _CFG_VERIFY, _CFG_FP0) = range(10)
 _PEER_POSTED, _PEER_STATE, _PEER_FP0 = 0, 1, 2
-# The kernel sets (jit.once keys: protocol_kernels.py loads each on its first use).
+# The kernel sets (jit.once keys: protocol/kernels.py loads each on its first use).
 _ONE_STEP = "shmcoll's one-step kernel"
 _EXCHANGE = "shmcoll's exchange and wait kernels"
 _STREAM = "shmcoll's streaming kernels"
@@ -62,7 +62,7 @@ _SINGLE_COPY = "shmcoll's single-copy kernels"
 _NO_BYTES = np.zeros(0, np.uint8)
 
 
-# -- point-to-point (p2p.py; its cell kernels in p2p_cells.py) ------------------------------
+# -- point-to-point (p2p.py; its cell kernels in p2p/cells.py) ------------------------------
 
 ANY_SOURCE = -1  # a receive from any rank
 _NEVER = np.iinfo(np.int64).max  # a wait target no counter reaches

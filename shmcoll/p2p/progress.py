@@ -13,9 +13,9 @@ engine calls the loop's start(), wake() (after a post) and stop() (close).
 
 import threading
 
-from . import compiled
-from .errors import GroupAbortedError, PeerLostError, ShmcollError
-from .protocol import SLEEP_MAX_S, SLEEP_MIN_S, STATE_LIVE, YIELD_NS
+from ..native import compiled
+from ..errors import GroupAbortedError, PeerLostError, ShmcollError
+from ..protocol import SLEEP_MAX_S, SLEEP_MIN_S, STATE_LIVE, YIELD_NS
 
 __all__ = ["ProgressLoop", "IDLE_SLEEP_MAX_S"]
 

@@ -1,7 +1,7 @@
 """Kernels compiled when the wheel is built, so that a fresh install loads them instead of
 compiling them (docs/COLD_START.md).
 
-The wheel carries every shmcoll kernel -- what `python -m shmcoll.warmup` compiles -- in
+The wheel carries every shmcoll kernel -- what `python -m shmcoll.engine.warmup` compiles -- in
 `shmcoll/_kernels/<cpu>/`: numba's own cache files (an index `.nbi` and a data file `.nbc`
 per compiled version) compiled for a portable target CPU rather than the build machine's
 (TARGETS: on x86-64, x86-64-v3, which every x86-64 CPU with AVX2 runs), and a
@@ -22,7 +22,7 @@ bytecode and closure contents (and the shipped target where it would hold this C
 and features); a file that fails to load turns the shipped kernels off for the process,
 with a warning, and the kernels compile.
 
-Built by build_kernels.py (setup.py, when the wheel is built): child processes compile
+Built by tools/build_kernels.py (setup.py, when the wheel is built): child processes compile
 them with NUMBA_CPU_NAME=<target>, NUMBA_CPU_FEATURES='' and BUILD_ENV set, which makes
 every KernelCache read and write the build directory only.
 """
@@ -47,7 +47,7 @@ __all__ = ["KernelCache", "Status", "status", "counts", "building", "targets", "
 
 log = logging.getLogger(__name__)
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parent.parent  # shmcoll/
 DIR_NAME = "_kernels"  # in the package directory: a subdirectory per target CPU
 MANIFEST = "manifest.json"
 FORMAT = 1  # of the manifest and of what the key covers

@@ -2,16 +2,16 @@
 write, peek at and take cells (rules 1-3 of p2p.py's docstring, which draws the cell), and
 the kernel sets that load them and the progress thread's wait on first use (jit.once).
 
-The engine (p2p.py) and its progress thread (p2p_progress.py) reach these through
+The engine (p2p.py) and its progress thread (p2p/progress.py) reach these through
 compiled.p2p_cells (they import no numba); the engine's constants (ANY_SOURCE, the wait
-target _NEVER, the kernel sets' names) are in protocol_layout.py.
+target _NEVER, the kernel sets' names) are in protocol/layout.py.
 """
 
 import numpy as np
 
-from . import atomics, jit
-from .atomics import copy_bytes, load_acquire, store_release, wait_any_ge
-from .protocol_layout import _CELL_KERNELS, _PROGRESS_WAIT, LINE_NBYTES
+from ..native import atomics, jit
+from ..native.atomics import copy_bytes, load_acquire, store_release, wait_any_ge
+from ..protocol.layout import _CELL_KERNELS, _PROGRESS_WAIT, LINE_NBYTES
 
 _H_SEQ, _H_MSG, _H_TAG, _H_TOTAL, _H_OFFSET, _H_NBYTES = range(6)
 _HDR = LINE_NBYTES  # a cell's header line; the payload follows

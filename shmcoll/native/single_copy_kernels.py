@@ -14,7 +14,7 @@ from numba.extending import intrinsic
 
 from . import jit
 from .atomics import copy_bytes
-from .kernels import call_reduce
+from .reducers import call_reduce
 from .single_copy import IN_PROCESS
 
 __all__ = ["peer_read", "fetch", "reduce_from_peers", "gather_from_peers"]

@@ -1,9 +1,9 @@
 """Builds the kernels a wheel ships (prebuilt.py; docs/COLD_START.md): setup.py runs
 build(<the build directory's package>) after build_py.
 
-    python -m shmcoll.build_kernels build <package dir> [part,...]
+    python -m shmcoll.tools.build_kernels build <package dir> [part,...]
 
-build() compiles every kernel -- what `python -m shmcoll.warmup` compiles -- for each
+build() compiles every kernel -- what `python -m shmcoll.engine.warmup` compiles -- for each
 target CPU this machine runs (prebuilt.targets()), in child processes that run with
 NUMBA_CPU_NAME=<target>, NUMBA_CPU_FEATURES='' and prebuilt.BUILD_ENV pointing at their
 own directory, as many at a time as there are cores (PARTS: two, about as long each,
@@ -23,38 +23,43 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import jit, prebuilt
+from ..native import jit, prebuilt
 
 __all__ = ["build", "PARTS", "ALL", "main"]
 
 
 def _warm_protocol():
-    from . import atomics, kernels, p2p_cells, protocol_kernels
+    from ..native import atomics, reducers
+    from ..p2p import cells as p2p_cells
+    from ..protocol import kernels as protocol_kernels
     atomics.warm_up()
     protocol_kernels.warm_up_one_step()
     protocol_kernels.warm_up()
     p2p_cells.ensure_kernels()
-    kernels.warm_up(kernels.KINDS_16, python_call=False)  # evens out the two children
+    reducers.warm_up(reducers.KINDS_16, python_call=False)  # evens out the two children
 
 
 def _warm_reducers():
-    from . import kernels
-    kernels.warm_up([kind for kind in kernels.KINDS if kind not in kernels.KINDS_16])
+    from ..native import reducers
+    reducers.warm_up([kind for kind in reducers.KINDS if kind not in reducers.KINDS_16])
 
 
 def _warm_first():
     """What a group's creation and its first small float32 all_reduce load, and the
     Python-callable reduction."""
-    from . import kernels, p2p_cells, protocol_kernels, warmup
+    from ..native import reducers
+    from ..p2p import cells as p2p_cells
+    from ..protocol import kernels as protocol_kernels
+    from ..engine import warmup
     warmup.warm_up(warmup.FIRST_REDUCERS)
-    jit.once(kernels._REDUCE_CALL, kernels._warm_reduce_call)
+    jit.once(reducers._REDUCE_CALL, reducers._warm_reduce_call)
     jit.once(protocol_kernels._EXCHANGE, protocol_kernels._warm_exchange)
     jit.once(p2p_cells._PROGRESS_WAIT, p2p_cells._warm_progress_wait)
 
 
 # What the build compiles, in parts that share no kernel (each its own child, its own
 # files; build() checks that no two write one file): together, everything `python -m
-# shmcoll.warmup` compiles (build() checks that too). About as long to compile each: the
+# shmcoll.engine.warmup` compiles (build() checks that too). About as long to compile each: the
 # protocol kernels with the 16-bit reducers, the other reducers. "first" (a group's
 # creation and first all_reduce alone) is for tests.
 PARTS = {"protocol": _warm_protocol, "reducers": _warm_reducers, "first": _warm_first}
@@ -78,7 +83,7 @@ def _child_env(package_dir, cache_dir, **extra):
 def _start_child(what, package_dir, parts, env):
     # cwd: `python -m` puts it first on the path, before PYTHONPATH
     return subprocess.Popen(
-        [sys.executable, "-m", "shmcoll.build_kernels", what, str(package_dir),
+        [sys.executable, "-m", "shmcoll.tools.build_kernels", what, str(package_dir),
          ",".join(parts)],
         env=env, cwd=package_dir.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True)
@@ -90,9 +95,9 @@ def _result(proc, what, timeout_s):
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.communicate()
-        raise RuntimeError(f"shmcoll.build_kernels {what} took more than {timeout_s} s") from None
+        raise RuntimeError(f"shmcoll.tools.build_kernels {what} took more than {timeout_s} s") from None
     if proc.returncode != 0:
-        raise RuntimeError(f"shmcoll.build_kernels {what} failed (exit {proc.returncode}):\n"
+        raise RuntimeError(f"shmcoll.tools.build_kernels {what} failed (exit {proc.returncode}):\n"
                            f"{out[-2000:]}{err[-4000:]}")
     return json.loads(out.strip().splitlines()[-1])
 
@@ -210,7 +215,7 @@ def _verify(package_dir, parts):
     _child_of(package_dir, False)
     recorder = prebuilt.CompileRecorder()
     if set(parts) == set(ALL):  # everything: a kernel the parts left out would compile
-        from . import warmup
+        from ..engine import warmup
         warmup.warm_up()
     for part in parts:
         PARTS[part]()
@@ -224,22 +229,22 @@ def _verify(package_dir, parts):
 def _check_reductions():
     import numpy as np
 
-    from . import kernels
+    from ..native import reducers
     wrong = []
     rng = np.random.default_rng(0)
-    for kind, dt, op, want in (("float", np.float32, kernels.OP_SUM, np.add),
-                               ("int", np.int64, kernels.OP_MAX, np.maximum),
-                               ("complex", np.complex128, kernels.OP_PRODUCT, np.multiply)):
+    for kind, dt, op, want in (("float", np.float32, reducers.OP_SUM, np.add),
+                               ("int", np.int64, reducers.OP_MAX, np.maximum),
+                               ("complex", np.complex128, reducers.OP_PRODUCT, np.multiply)):
         a, b = ((rng.standard_normal(1000) * 100).astype(dt) for _ in range(2))
         out = a.copy()
-        kernels.reduce_into(out, np.array([a.ctypes.data, b.ctypes.data], np.int64), op, kind)
+        reducers.reduce_into(out, np.array([a.ctypes.data, b.ctypes.data], np.int64), op, kind)
         if not np.array_equal(out, want(a, b)):
             wrong.append(f"{kind} {np.dtype(dt)} op {op}")
-    bits = kernels.f32_to_bf16(np.arange(1000, dtype=np.float32))
+    bits = reducers.f32_to_bf16(np.arange(1000, dtype=np.float32))
     out = bits.copy()
-    kernels.reduce_into(out, np.array([bits.ctypes.data] * 2, np.int64), kernels.OP_SUM,
+    reducers.reduce_into(out, np.array([bits.ctypes.data] * 2, np.int64), reducers.OP_SUM,
                         "bfloat16")
-    if not np.array_equal(kernels.bf16_to_f32(out), 2 * kernels.bf16_to_f32(bits)):
+    if not np.array_equal(reducers.bf16_to_f32(out), 2 * reducers.bf16_to_f32(bits)):
         wrong.append("bfloat16 sum")
     return wrong
 
@@ -254,7 +259,7 @@ def main(argv=None):
         child = _compile if argv[0] == "_compile" else _verify
         print(json.dumps(child(argv[1], argv[2].split(","))))
         return 0
-    print("usage: python -m shmcoll.build_kernels build <package dir> [part,...]",
+    print("usage: python -m shmcoll.tools.build_kernels build <package dir> [part,...]",
           file=sys.stderr)
     return 2
 

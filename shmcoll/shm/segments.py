@@ -31,10 +31,10 @@ import time
 import numpy as np
 import posix_ipc
 
-from . import protocol
-from . import single_copy as single_copy_mod
-from .errors import SegmentError
-from .init_phases import phase
+from .. import protocol
+from ..native import single_copy as single_copy_mod
+from ..errors import SegmentError
+from ..engine.init_phases import phase
 
 __all__ = ["ShmRegions", "segment_prefix", "gc_stale", "PidLiveness"]
 
@@ -51,7 +51,7 @@ def _store_get(store, key):
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _wait_key(store, key, deadline, timeout_s, who, pid=None):
+def wait_key(store, key, deadline, timeout_s, who, pid=None):
     """store.get(key), but give up when `pid` (the rank we wait for) exits or the group
     timeout passes, instead of blocking for the store's own timeout.
 
@@ -191,7 +191,7 @@ class ShmRegions:
             if self.rank == 0:  # set when given too: the store names every group's token
                 store.set(f"{base}/token", token_hex or secrets.token_hex(16))
             if token_hex is None:
-                token_hex = _wait_key(store, f"{base}/token", deadline, timeout_s,
+                token_hex = wait_key(store, f"{base}/token", deadline, timeout_s,
                                       "rank 0's group token")
         if len(token_hex) != 32:
             raise SegmentError(f"rendezvous: malformed group token {token_hex!r} in the store")
@@ -206,7 +206,7 @@ class ShmRegions:
         with phase("segments: attach peers"):
             for peer in range(self.world_size):
                 if peer != self.rank:
-                    name = _wait_key(store, f"{base}/seg/{peer}", deadline, timeout_s,
+                    name = wait_key(store, f"{base}/seg/{peer}", deadline, timeout_s,
                                      f"rank {peer}'s segment")
                     self.regions[peer], self.pids[peer] = self._attach(name, token, peer)
         # NOTE: order matters: unlink only after every peer has attached, or a slow peer
@@ -224,7 +224,7 @@ class ShmRegions:
                 if peer != self.rank:
                     # A rank killed during init must not leave its peers waiting for the
                     # store's timeout: the wait ends as soon as its pid exits.
-                    value = _wait_key(store, f"{base}/attached/{peer}", deadline, timeout_s,
+                    value = wait_key(store, f"{base}/attached/{peer}", deadline, timeout_s,
                                       f"rank {peer} (pid {self.pids[peer]})",
                                       pid=self.pids[peer])
                     can = can and value.startswith("2")
