@@ -254,7 +254,7 @@ def _sleep_while_a_peer_posts(post, delay_s=0.1, timeout_s=5.0):
     return took, seen[0]
 
 
-@pytest.mark.skipif(not __import__("shmcoll.native.atomics").atomics.HAVE_FUTEX,
+@pytest.mark.skipif(not __import__("shmcoll.native.atomics").native.atomics.HAVE_FUTEX,
                     reason="no futex on this platform (sleeps are plain sleeps there)")
 def test_a_post_wakes_a_sleeper_at_once():
     from shmcoll.protocol.kernels import post_wake
@@ -263,7 +263,7 @@ def test_a_post_wakes_a_sleeper_at_once():
     assert took < 2.5, took  # woken by the post, not by its 5 s bound
 
 
-@pytest.mark.skipif(not __import__("shmcoll.native.atomics").atomics.HAVE_FUTEX,
+@pytest.mark.skipif(not __import__("shmcoll.native.atomics").native.atomics.HAVE_FUTEX,
                     reason="no futex on this platform (sleeps are plain sleeps there)")
 def test_a_post_without_the_wake_leaves_the_sleeper_to_its_bound():
     """The control for the test above: the plain release store of before (no wake) is
@@ -283,7 +283,7 @@ def test_sleep_on_a_word_already_there_returns_at_once():
     assert words[sleepers] == 0
 
 
-@pytest.mark.skipif(not __import__("shmcoll.native.atomics").atomics.HAVE_FUTEX,
+@pytest.mark.skipif(not __import__("shmcoll.native.atomics").native.atomics.HAVE_FUTEX,
                     reason="no futex on this platform (sleeps are plain sleeps there)")
 @pytest.mark.parametrize("who", ["own_abort", "peer_abort", "peer_close"])
 def test_a_state_change_wakes_a_sleeping_wait_at_once(monkeypatch, who):
