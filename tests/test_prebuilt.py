@@ -164,7 +164,7 @@ def test_reducer_by_address_is_loaded(built, tmp_path):
 def test_an_edited_kernel_is_compiled_not_loaded(built, tmp_path):
     """The float32 sum made to add 1 more: the result shows the edited code ran."""
     pkg = _variant(built, tmp_path)
-    src = pkg / "kernels.py"
+    src = pkg / "native" / "reducers.py"
     text = src.read_text()
     assert text.count("d[j] = d[j] + x[j]\n") == 1
     src.write_text(text.replace("d[j] = d[j] + x[j]\n", "d[j] = d[j] + x[j] + 1\n"))
@@ -179,7 +179,7 @@ def test_an_edit_elsewhere_in_the_package_turns_them_off(built, tmp_path):
     """A kernel's code also comes from other files (constants, intrinsics): any edit in the
     package, here a comment in a file with no kernel, and none is loaded."""
     pkg = _variant(built, tmp_path)
-    with open(pkg / "protocol/layout.py", "a") as f:
+    with open(pkg / "protocol" / "layout.py", "a") as f:
         f.write("# edited\n")
     out, _ = _run(pkg, tmp_path / "cache", _REDUCE)
     assert out["got"] == 3.0
@@ -189,7 +189,7 @@ def test_an_edit_elsewhere_in_the_package_turns_them_off(built, tmp_path):
 
 def test_a_broken_file_turns_them_off_and_compiles(built, tmp_path):
     pkg = _variant(built, tmp_path)
-    data = sorted((pkg / prebuilt.DIR_NAME).rglob("kernels._build_same.locals.reduce-*.nbc"))
+    data = sorted((pkg / prebuilt.DIR_NAME).rglob("reducers._build_same.locals.reduce-*.nbc"))
     assert data
     for path in data:
         path.write_bytes(path.read_bytes()[:100])
@@ -224,7 +224,7 @@ def test_doctor_says_whether_they_match(built, tmp_path):
     out, _ = _run(pkg, tmp_path / "cache", code)
     assert any(line.startswith("OK the kernels shipped in the wheel match this install")
                for line in out), out
-    with open(pkg / "group.py", "a") as f:
+    with open(pkg / "engine" / "group.py", "a") as f:
         f.write("# edited\n")
     out, _ = _run(pkg, tmp_path / "cache2", code)
     assert any("shipped kernels not used: the package's sources differ" in line
