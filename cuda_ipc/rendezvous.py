@@ -60,12 +60,15 @@ class ProcessRendezvous:
 class ThreadRendezvous:
     """Rendezvous of the rank threads of one threaded_pg spawn (`rendezvous`): values and
     objects through its in-process table, under a key the group's members agree on (the
-    group name and how often this rank built a device arena for it)."""
+    group name and how often this rank built a device arena for it). `regions_class`: how
+    the host regions are made in process (threaded_pg's ThreadRegions, given by threaded_pg:
+    it sits above cuda_ipc, which never imports it)."""
 
     in_process = True
 
-    def __init__(self, rendezvous, group, global_rank):
+    def __init__(self, rendezvous, group, global_rank, regions_class):
         self.rank = group.rank
+        self._regions_class = regions_class
         self.world_size = group.world_size
         self._rv = rendezvous
         self._timeout_s = group.timeout_s
@@ -84,9 +87,8 @@ class ThreadRendezvous:
                 for p in range(self.world_size)]
 
     def host_regions(self, layout):
-        from threaded_pg.arena import ThreadRegions  # (threaded_pg imports shmcoll, not us)
         regions = self._rv.shared_object(f"{self._base}/regions",
-                                         lambda: ThreadRegions(layout, self.world_size))
+                                         lambda: self._regions_class(layout, self.world_size))
         return _InProcessRegions(regions.regions)
 
 

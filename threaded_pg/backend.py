@@ -101,8 +101,10 @@ class ThreadedProcessGroup(EngineProcessGroup):
     def _device_rendezvous(self):
         """Rank threads share device memory by pointer (cuda_ipc.rendezvous.ThreadRendezvous)."""
         from cuda_ipc.rendezvous import ThreadRendezvous
+
+        from .arena import ThreadRegions
         rendezvous, global_rank = _binding()
-        return ThreadRendezvous(rendezvous, self.group, global_rank)
+        return ThreadRendezvous(rendezvous, self.group, global_rank, ThreadRegions)
 
     def split_group(self, ranks, timeout=None, opts=None, group_name=None, group_desc=None,
                     device_types=None):
