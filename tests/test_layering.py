@@ -1,9 +1,12 @@
-"""Import rules (STYLE.md §00 and §3.2, ARCHITECTURE.md): the engine works without torch;
-algorithms never touch shared memory or torch; only shmcoll/torch_backend imports torch;
-`import shmcoll` / `import threaded_pg` (and the `torch.backends` entry points, which
-`import torch` runs) import neither torch nor numba; no import circles, lazy ones included;
-one writer per piece of state: no class is built from *Mixin bases and no attribute is
-assigned from two files (STYLE.md §00, issue 24; allow-lists for what is still moving)."""
+"""Import rules (STYLE.md §00 and §3.2, ARCHITECTURE.md): the package tree shows the layers
+(a folder per layer) and imports only go down them; no import circles, lazy ones included
+(function-level imports and importlib.import_module("...") count); no `_private` name
+imported from another package; the engine works without torch and only
+shmcoll/torch_backend imports torch; `import shmcoll` / `import threaded_pg` (and the
+`torch.backends` entry points, which `import torch` runs) import neither torch nor numba;
+one writer per piece of state: no class is built from *Mixin bases (but the adapter's
+method tables, which hold no state) and no attribute is assigned from two files (STYLE.md
+§00, issue 24). No allow-lists."""
 
 import ast
 import pathlib
@@ -14,10 +17,32 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "shmcoll"
-# shmcoll/__init__.py registers backend "shm" through the adapter's torch-free plugin
-# module (ARCHITECTURE.md); it is the only engine-side module that imports the adapter, and
-# only that module of it. Nothing outside torch_backend imports torch, guarded or not.
-ADAPTER_IMPORTS_ALLOWED = {PACKAGE / "__init__.py": {"shmcoll.torch_backend.plugin"}}
+PACKAGES = ("shmcoll", "threaded_pg", "cuda_ipc")
+# The layers, bottom up (ARCHITECTURE.md draws them). A module's layer is where it lives:
+# shmcoll/<folder>/ is that folder's layer, shmcoll/<module>.py the vocabulary (errors,
+# config, lazy_names), threaded_pg/ and cuda_ipc/ their own; but FRONT. A module imports
+# its own layer and the layers below it, never one above. Packages on one line are one
+# layer: algorithms and p2p both sit on the protocol and neither imports the other;
+# cuda_ipc is the adapter's device half (its ProcessGroup methods for CUDA tensors are
+# built on the adapter's checks, conversions and Work; the adapter hands CUDA tensors to it).
+LAYERS = (
+    ("shmcoll",),                    # vocabulary: shmcoll/errors.py, config.py, lazy_names.py
+    ("shmcoll/native",),             # numba, the machine: jit, atomics, reducers, ops, ...
+    ("shmcoll/protocol",),           # the rules (its docstring), layout, kernels, the Arena
+    ("shmcoll/algorithms", "shmcoll/p2p"),
+    ("shmcoll/engine",),             # Group
+    ("shmcoll/shm",),                # segments, FileStore, new_shm_group
+    ("shmcoll/hier",),               # several nodes
+    ("shmcoll/tools",),              # the doctor, the kernel build
+    ("shmcoll/torch_backend", "cuda_ipc"),
+    ("front",),                      # FRONT
+    ("threaded_pg",),                # the same engine with ranks as threads, backend "threaded"
+)
+# The package's face, above everything it names: shmcoll/__init__.py (the public names,
+# loaded on first use, and backend "shm"'s registration) and the command `python -m
+# shmcoll.doctor` (its module only runs tools/doctor.py).
+FRONT = {"shmcoll", "shmcoll.doctor"}
+RANK = {layer: i for i, layers in enumerate(LAYERS) for layer in layers}
 # What `import shmcoll`, `import threaded_pg` and the entry points (pyproject.toml,
 # `torch.backends`: run by every `import torch`) execute: at import time these modules
 # import only the standard library and each other. Their names load the rest on first use.
@@ -30,10 +55,6 @@ IMPORT_TIME_MODULES = {
     "threaded_pg": ROOT / "threaded_pg" / "__init__.py",
     "threaded_pg.plugin": ROOT / "threaded_pg" / "plugin.py",
 }
-# Lazy import circles that predate the rule's check (remove an entry when its circle goes;
-# never add one). Empty: split_group's circle went when the concrete groups moved to
-# hier_pg (EngineProcessGroup asks its class for the split's group).
-KNOWN_CIRCLES = []
 
 LIGHT_IMPORT_SCRIPT = """
 import sys
@@ -122,13 +143,17 @@ def _module_name(path):
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _files():
+    """{module name: path} over PACKAGES."""
+    return {_module_name(p): p for d in PACKAGES for p in _py_files(ROOT / d)}
+
+
 def _import_graph():
     """{module: modules it imports, at any depth of the file (function-level included)} over
     shmcoll, threaded_pg and cuda_ipc. `from pkg import name` counts as importing pkg.name
     where that is a module, else pkg; a package __init__'s lazy names (a module-level dict
     of name -> submodule, read by its __getattr__) count as imports of those submodules."""
-    files = {_module_name(p): p for d in ("shmcoll", "threaded_pg", "cuda_ipc")
-             for p in _py_files(ROOT / d)}
+    files = _files()
     graph = {}
     for name, path in files.items():
         targets = set()
@@ -193,8 +218,8 @@ def test_algorithms_never_import_shm_group_or_torch(path):
         assert parts[0] != "torch", f"{path.name}:{lineno} imports {module}"
         assert parts[0] != "threaded_pg", f"{path.name}:{lineno} imports {module}"
         if parts[0] == "shmcoll":
-            assert parts[1:2] not in (["shm"], ["shm_group"], ["group"], ["torch_backend"],
-                                      ["p2p"]), f"{path.name}:{lineno} imports {module}"
+            assert parts[1:2] not in (["shm"], ["engine"], ["torch_backend"], ["p2p"],
+                                      ["hier"]), f"{path.name}:{lineno} imports {module}"
             assert module not in ("shmcoll",), f"{path.name}:{lineno} imports the package"
 
 
@@ -202,13 +227,10 @@ def test_algorithms_never_import_shm_group_or_torch(path):
                                   if (PACKAGE / "torch_backend") not in p.parents],
                          ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_only_torch_backend_imports_torch(path):
+    """(Nothing below the adapter imports it: test_imports_only_go_down.)"""
     for module, lineno, _ in _top_level_torch_imports(path):
         raise AssertionError(f"shmcoll/{path.relative_to(PACKAGE)}:{lineno} imports {module} "
                              f"(only shmcoll/torch_backend may import torch)")
-    for module, lineno, _ in _imports(path):
-        assert not module.startswith("shmcoll.torch_backend") or \
-            module in ADAPTER_IMPORTS_ALLOWED.get(path, ()), \
-            f"shmcoll/{path.relative_to(PACKAGE)}:{lineno} imports {module}"
 
 
 @pytest.mark.parametrize("name", sorted(IMPORT_TIME_MODULES))
@@ -291,10 +313,10 @@ def test_numba_modules_import_jit(path):
     imports numba imports jit itself, at the top, so numba has a writable cache directory
     before the module defines a cached kernel. jit.py and the cache class it gives every
     kernel (prebuilt.py, which jit imports and which defines no kernel) excepted."""
-    if path in (PACKAGE / "jit.py", PACKAGE / "prebuilt.py"):
+    if path in (PACKAGE / "native" / "jit.py", PACKAGE / "native" / "prebuilt.py"):
         return
     assert "shmcoll.native.jit" in _top_level_imports(path), \
-        f"shmcoll/{path.relative_to(PACKAGE)} imports numba but not `from . import jit`"
+        f"shmcoll/{path.relative_to(PACKAGE)} imports numba but not shmcoll.native.jit"
 
 
 # Modules that may import a numba module (one that imports numba or llvmlite at module
@@ -337,15 +359,12 @@ def test_kernels_are_reached_only_through_compiled():
 def test_no_import_circles():
     """STYLE.md §00: no import circles, lazy (function-level) ones included."""
     circles = _circles(_import_graph())
-    new = [sorted(c) for c in circles if c not in KNOWN_CIRCLES]
-    assert not new, f"import circles: {new}"
-    gone = [sorted(c) for c in KNOWN_CIRCLES if c not in circles]
-    assert not gone, f"KNOWN_CIRCLES lists circles that are gone (remove them): {gone}"
+    assert not circles, f"import circles: {[sorted(c) for c in circles]}"
 
 
 def test_circle_finder_sees_lazy_imports():
     """Guard for test_no_import_circles: a function-level import (ProcessGroupShm's
-    `from ..pages import ...` in its __init__) and the lazy names of a package __init__
+    `from ..native.pages import ...`) and the lazy names of a package __init__
     are edges."""
     graph = _import_graph()
     assert "shmcoll.native.pages" in graph["shmcoll.torch_backend.hier_pg"]
@@ -367,13 +386,97 @@ def test_resolver_sees_relative_imports():
     assert "shmcoll.native.single_copy" in mods and "shmcoll.algorithms.all_reduce" in mods, mods
 
 
+# -- the layers ------------------------------------------------------------------------------
+
+def _layer(module):
+    """The layer of a module of PACKAGES, from its path (see LAYERS)."""
+    if module in FRONT:
+        return "front"
+    parts = module.split(".")
+    if parts[0] != "shmcoll":
+        return parts[0]
+    if len(parts) > 1 and (PACKAGE / parts[1]).is_dir():
+        return f"shmcoll/{parts[1]}"
+    return "shmcoll"
+
+
+def _upward_imports(graph):
+    """'a -> b (layer -> layer)' for every edge of `graph` into a higher layer."""
+    return [f"{a} -> {b} ({_layer(a)} -> {_layer(b)})"
+            for a in sorted(graph) for b in sorted(graph[a])
+            if RANK[_layer(b)] > RANK[_layer(a)]]
+
+
+def test_every_module_has_a_layer():
+    """A new folder under shmcoll/ (or a new top-level package) is placed in LAYERS first."""
+    unknown = sorted({_layer(m) for m in _files()} - set(RANK))
+    assert not unknown, f"folders with no layer in LAYERS: {unknown}"
+    vocabulary = sorted(m for m in _files() if _layer(m) == "shmcoll")
+    assert vocabulary == ["shmcoll.config", "shmcoll.errors", "shmcoll.lazy_names"], \
+        f"modules directly in shmcoll/ are the vocabulary (or FRONT): {vocabulary}"
+
+
+def test_imports_only_go_down():
+    """STYLE.md §00: no module imports one of a higher layer (function-level and importlib
+    imports included, and a package's lazy names)."""
+    up = _upward_imports(_import_graph())
+    assert not up, "imports up the layers: " + "; ".join(up)
+
+
+def test_upward_check_sees_an_upward_import():
+    """Guard for the check above: the reducers importing Group, a lazy import of the
+    doctor from the protocol, cuda_ipc importing threaded_pg are upward; the front importing
+    the adapter, algorithms importing the reducers are not."""
+    assert len(_upward_imports({"shmcoll.native.reducers": {"shmcoll.engine.group"},
+                                "shmcoll.protocol.waits": {"shmcoll.tools.doctor"},
+                                "cuda_ipc.rendezvous": {"threaded_pg.arena"}})) == 3
+    assert not _upward_imports({"shmcoll": {"shmcoll.torch_backend.plugin"},
+                                "shmcoll.algorithms.reduce": {"shmcoll.native.reducers"},
+                                "shmcoll.torch_backend.p2p": {"cuda_ipc.p2p"}})
+
+
+def _private_imports(path, module, tree=None):
+    """'file:line module.name' for every `from X import _name` in `path` (of module
+    `module`; its parsed `tree` when given) where X is in another package (folder) of
+    PACKAGES than the file's."""
+    files = _files()
+
+    def folder(m):
+        return m if files[m].name == "__init__.py" else m.rpartition(".")[0]
+
+    found = []
+    for mod, lineno, node in _imports(path, tree):
+        if not isinstance(node, ast.ImportFrom) or mod.split(".")[0] not in PACKAGES:
+            continue
+        for alias in node.names:
+            name = alias.name
+            if not name.startswith("_") or name.startswith("__"):
+                continue
+            source = f"{mod}.{name}" if f"{mod}.{name}" in files else mod
+            if source in files and folder(source) != folder(module):
+                found.append(f"{path.relative_to(ROOT)}:{lineno} {mod}.{name}")
+    return found
+
+
+def test_no_private_name_from_another_package():
+    """STYLE.md §00: a `_private` name is imported only within its own package (folder);
+    what another package needs is public."""
+    bad = [f for m, p in sorted(_files().items()) for f in _private_imports(p, m)]
+    assert not bad, "private names imported from another package: " + "; ".join(bad)
+
+
+def test_private_check_sees_a_private_import():
+    """Guard for the check above: `from ..engine.group_args import _x` in hier/ is seen,
+    `from .reduce import _y` inside hier/ is not."""
+    hier = PACKAGE / "hier" / "api.py"
+    tree = ast.parse("from ..engine.group_args import _x\nfrom .reduce import _y\n")
+    assert _private_imports(hier, "shmcoll.hier.api", tree) == \
+        ["shmcoll/hier/api.py:1 shmcoll.engine.group_args._x"]
+
+
 # -- one writer per piece of state (STYLE.md §00, issue 24) -------------------------------
 
-STATE_PACKAGES = ("shmcoll", "cuda_ipc", "threaded_pg")
-# Issue 24 (one writer per piece of state) moved the last mixins out: a class here would be
-# one still built from mixins; it stays empty. (file, class) -> the mixin bases it may have.
-MIXIN_ALLOWED = {
-}
+STATE_PACKAGES = PACKAGES
 # Not a stop-gap: torch wants ~40 methods on one ProcessGroup class, and the adapter keeps
 # them in method tables by kind, which hold no state (test_method_tables_hold_no_state):
 # every attribute they read is EngineProcessGroup's, written in process_group.py.
@@ -381,13 +484,6 @@ METHOD_TABLES = {
     ("shmcoll/torch_backend/process_group.py", "EngineProcessGroup"): {
         "ReduceMixin", "MovementMixin", "GatherScatterMixin", "P2PMixin", "BarrierMixin"},
 }
-# Issue 24 as well: attributes still written from more than one file; shrink it, never grow
-# it. class -> those attributes (allowed for its subclasses too). Empty: the Arena's step,
-# slot and fingerprint state went to StepClock and Frame, the adapter's counts to
-# process_group.py's _next_split / _next_monitored_barrier.
-SPLIT_WRITERS_ALLOWED = {
-}
-
 
 def _state_files():
     return {_module_name(p): p for d in STATE_PACKAGES for p in _py_files(ROOT / d)}
@@ -462,25 +558,15 @@ def _writers_by_file(key, classes):
 
 def test_no_mixins():
     """STYLE.md §00: an object is split by giving a collaborator its own state, never by
-    moving methods that share `self` into other files: no class inherits a *Mixin (but
-    MIXIN_ALLOWED's, which issue 24 removes)."""
+    moving methods that share `self` into other files: no class inherits a *Mixin, but the
+    adapter's method tables (METHOD_TABLES, which hold no state)."""
     bad = []
     for (module, name), (path, node, bases) in sorted(_classes().items()):
         rel = str(path.relative_to(ROOT))
-        allowed = MIXIN_ALLOWED.get((rel, name), set()) | METHOD_TABLES.get((rel, name), set())
+        allowed = METHOD_TABLES.get((rel, name), set())
         bad += [f"{rel}:{node.lineno} class {name}({b})" for b in bases
                 if b.endswith("Mixin") and b not in allowed]
     assert not bad, "classes built from mixins (STYLE.md §00): " + "; ".join(bad)
-
-
-def test_mixin_allow_list_is_current():
-    """MIXIN_ALLOWED only shrinks: an entry whose mixin is gone must go too."""
-    classes = _classes()
-    stale = [(f, c, sorted(m - set(classes[(_module_name(ROOT / f), c)][2])))
-             for (f, c), m in MIXIN_ALLOWED.items()
-             if (_module_name(ROOT / f), c) not in classes or
-             m - set(classes[(_module_name(ROOT / f), c)][2])]
-    assert not stale, f"MIXIN_ALLOWED names mixins that are gone (remove them): {stale}"
 
 
 def test_method_tables_hold_no_state():
@@ -517,26 +603,12 @@ def test_one_writer_per_attribute():
     classes = _classes()
     bad = []
     for key, (path, node, _) in sorted(classes.items()):
-        writers, lineage = _writers_by_file(key, classes)
-        allowed = set().union(*(SPLIT_WRITERS_ALLOWED.get(c, set()) for c in lineage))
+        writers, _ = _writers_by_file(key, classes)
         for attr, where in sorted(writers.items()):
-            if len(where) > 1 and attr not in allowed:
+            if len(where) > 1:
                 bad.append(f"{node.name}.{attr}: " +
                            ", ".join(f"{f}:{line}" for f, line in sorted(where.items())))
     assert not bad, "attributes written from more than one file: " + "; ".join(bad)
-
-
-def test_split_writers_allow_list_is_current():
-    """SPLIT_WRITERS_ALLOWED only shrinks: an attribute that has one writer again goes."""
-    classes = _classes()
-    split = {}
-    for key in classes:
-        for attr, where in _writers_by_file(key, classes)[0].items():
-            if len(where) > 1:
-                split.setdefault(key[1], set()).add(attr)
-    stale = {c: sorted(a - split.get(c, set())) for c, a in SPLIT_WRITERS_ALLOWED.items()
-             if a - split.get(c, set())}
-    assert not stale, f"SPLIT_WRITERS_ALLOWED lists attributes with one writer now: {stale}"
 
 
 def test_one_writer_check_sees_closures_and_bases():
