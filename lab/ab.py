@@ -62,8 +62,8 @@ def main(argv=None):
         base = Path(args.base) if os.path.isdir(args.base) else export_revision(args.base, tmp)
         trees = {"A": base.resolve(), "B": _HERE}
         for tree in trees.values():
-            subprocess.run([sys.executable, "-m", "shmcoll.engine.warmup"], cwd=tree, env=_env(tree),
-                           check=True, capture_output=True)
+            subprocess.run([sys.executable, "-m", "shmcoll.engine.warmup"], cwd=tree,
+                           env=_env(tree), check=True, capture_output=True)
         times = {"A": [], "B": []}
         for r in range(args.rounds):
             for name in ("A", "B") if r % 2 == 0 else ("B", "A"):

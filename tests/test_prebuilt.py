@@ -1,5 +1,5 @@
-"""Kernels shipped in the wheel (shmcoll/native/prebuilt.py, shmcoll/tools/build_kernels.py): a build of
-a group's first kernels into a copy of the package is loaded -- nothing compiled, right
+"""Kernels shipped in the wheel (shmcoll/native/prebuilt.py, shmcoll/tools/build_kernels.py):
+a build of a group's first kernels into a copy of the package is loaded -- nothing compiled, right
 results, in rank processes and rank threads --; an edited source, another numba, a CPU
 without the target's features, a broken file: never loaded, the kernels compile as
 without them.

@@ -511,7 +511,8 @@ class Group:
         check_arrays("scatter", [out])
         pieces = []
         if self.rank == root:
-            pieces = [as_bytes(np.ascontiguousarray(a)) for a in self._split_in("scatter", ins, out)]
+            pieces = [as_bytes(np.ascontiguousarray(a))
+                      for a in self._split_in("scatter", ins, out)]
         f = Flat(out, out.dtype, copy_in=False)
         self._run("scatter", (dtype_code(out), f.flat.size, root, 0, shape_word(out)),
                   _local_scatter if self._arena is None else self._select("scatter", 0),

@@ -6,7 +6,8 @@ rank, consumes no sequence number and leaves the group usable."""
 import numpy as np
 
 from ..engine.group import Group
-from ..engine.group_args import all_to_all_args, as_bytes, check_arrays, dtype_code, Flat, shape_word
+from ..engine.group_args import (Flat, all_to_all_args, as_bytes, check_arrays, dtype_code,
+                                 shape_word)
 from ..native.ops import ReduceOp, dtype_of, reduce_spec
 from . import move, reduce
 

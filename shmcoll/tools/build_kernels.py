@@ -95,7 +95,8 @@ def _result(proc, what, timeout_s):
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.communicate()
-        raise RuntimeError(f"shmcoll.tools.build_kernels {what} took more than {timeout_s} s") from None
+        raise RuntimeError(f"shmcoll.tools.build_kernels {what} took more than {timeout_s} s") \
+            from None
     if proc.returncode != 0:
         raise RuntimeError(f"shmcoll.tools.build_kernels {what} failed (exit {proc.returncode}):\n"
                            f"{out[-2000:]}{err[-4000:]}")
