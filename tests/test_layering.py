@@ -320,11 +320,14 @@ def test_numba_modules_import_jit(path):
 
 
 # Modules that may import a numba module (one that imports numba or llvmlite at module
-# level) besides the numba modules themselves: compiled.py, the one way the engine reaches
-# a kernel; jit.py, whose kernel() / cfunc() (called only by the numba modules, as they
-# define their kernels) give each kernel prebuilt's cache; and the tools that run apart
-# from any group (the doctor, the wheel's build).
-NUMBA_IMPORTERS = {"shmcoll.native.compiled", "shmcoll.native.jit", "shmcoll.doctor", "shmcoll.tools.build_kernels"}
+# level) besides the numba modules themselves: the layers' compiled.py, the one way the
+# engine reaches a kernel (native's, and protocol's and p2p's, each adding its layer's
+# kernels to the ones below); jit.py, whose kernel() / cfunc() (called only by the numba
+# modules, as they define their kernels) give each kernel prebuilt's cache; and the tools
+# that run apart from any group (the doctor, the wheel's build).
+NUMBA_IMPORTERS = {"shmcoll.native.compiled", "shmcoll.protocol.compiled",
+                   "shmcoll.p2p.compiled", "shmcoll.native.jit", "shmcoll.tools.doctor",
+                   "shmcoll.tools.build_kernels"}
 
 
 def _numba_modules():
@@ -341,8 +344,9 @@ def _numba_modules():
 
 
 def test_kernels_are_reached_only_through_compiled():
-    """Creating a group imports no numba (compiled.py; tests/test_warm_init.py runs it): no
-    engine module imports a numba module, at any depth of the file, but through compiled.py,
+    """Creating a group imports no numba (the compiled modules; tests/test_warm_init.py runs
+    it): no engine module imports a numba module, at any depth of the file, but through a
+    layer's compiled.py,
     so that the creation path cannot import one by accident (a lazy import in a function
     of a module on it would run at the first collective, not at creation, but it would
     also bypass the one owner; the warm-up imports them through compiled as well)."""
@@ -353,7 +357,7 @@ def test_kernels_are_reached_only_through_compiled():
     bad = sorted((m, sorted(graph[m] & numba_modules)) for m in graph
                  if m.startswith("shmcoll") and m not in numba_modules
                  and m not in NUMBA_IMPORTERS and graph[m] & numba_modules)
-    assert not bad, f"import a numba module other than through shmcoll.native.compiled: {bad}"
+    assert not bad, f"import a numba module other than through a layer's compiled module: {bad}"
 
 
 def test_no_import_circles():

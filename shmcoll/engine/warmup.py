@@ -31,7 +31,7 @@ import time
 
 import numpy as np
 
-from ..native import compiled
+from ..p2p import compiled
 from .init_phases import phase
 from ..native.op_codes import OP_SUM
 

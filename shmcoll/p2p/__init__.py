@@ -62,12 +62,13 @@ import time
 
 import numpy as np
 
-from ..native import compiled, jit
+from ..native import jit
+from . import compiled
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError, GroupAbortedError, \
     PeerLostError, ShmcollError
 from .progress import ProgressLoop
 from ..protocol import LINE_NBYTES, SPINS, STATE_ABORTED, STATE_CLOSED, STATE_LIVE, W_STATE
-from ..protocol.layout import _CELL_KERNELS, _NEVER, ANY_SOURCE
+from .layout import _CELL_KERNELS, _NEVER, ANY_SOURCE
 
 __all__ = ["P2PEngine", "Request", "ANY_SOURCE", "ensure_kernels", "ensure_progress_wait"]
 

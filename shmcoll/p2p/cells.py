@@ -4,14 +4,15 @@ the kernel sets that load them and the progress thread's wait on first use (jit.
 
 The engine (p2p.py) and its progress thread (p2p/progress.py) reach these through
 compiled.p2p_cells (they import no numba); the engine's constants (ANY_SOURCE, the wait
-target _NEVER, the kernel sets' names) are in protocol/layout.py.
+target _NEVER, the kernel sets' names) are in p2p/layout.py.
 """
 
 import numpy as np
 
 from ..native import atomics, jit
 from ..native.atomics import copy_bytes, load_acquire, store_release, wait_any_ge
-from ..protocol.layout import _CELL_KERNELS, _PROGRESS_WAIT, LINE_NBYTES
+from ..protocol.layout import LINE_NBYTES
+from .layout import _CELL_KERNELS, _PROGRESS_WAIT
 
 _H_SEQ, _H_MSG, _H_TAG, _H_TOTAL, _H_OFFSET, _H_NBYTES = range(6)
 _HDR = LINE_NBYTES  # a cell's header line; the payload follows

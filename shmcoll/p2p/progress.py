@@ -13,7 +13,7 @@ engine calls the loop's start(), wake() (after a post) and stop() (close).
 
 import threading
 
-from ..native import compiled
+from . import compiled
 from ..errors import GroupAbortedError, PeerLostError, ShmcollError
 from ..protocol import SLEEP_MAX_S, SLEEP_MIN_S, STATE_LIVE, YIELD_NS
 

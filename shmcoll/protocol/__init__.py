@@ -111,7 +111,8 @@ import time
 
 import numpy as np
 
-from ..native import compiled, jit
+from ..native import jit
+from . import compiled
 from ..errors import CollectiveMismatchError, ShmcollError
 from .layout import (  # noqa: F401  (re-exported: shm.py, p2p.py, threaded_pg, cuda_ipc)
     _CFG_VERIFY,

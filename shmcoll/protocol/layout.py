@@ -62,14 +62,6 @@ _SINGLE_COPY = "shmcoll's single-copy kernels"
 _NO_BYTES = np.zeros(0, np.uint8)
 
 
-# -- point-to-point (p2p.py; its cell kernels in p2p/cells.py) ------------------------------
-
-ANY_SOURCE = -1  # a receive from any rank
-_NEVER = np.iinfo(np.int64).max  # a wait target no counter reaches
-# The kernel sets of the mailboxes (jit.once keys)
-_CELL_KERNELS = "shmcoll's point-to-point kernels"
-_PROGRESS_WAIT = "shmcoll's point-to-point progress wait"
-
 class RegionLayout:
     """Byte geometry of one rank's region; identical for every rank of a group.
 

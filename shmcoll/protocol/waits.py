@@ -14,7 +14,8 @@ call. protocol.py re-exports the constants.
 import errno
 import time
 
-from ..native import compiled, jit
+from ..native import jit
+from . import compiled
 from ..errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
