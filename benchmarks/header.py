@@ -57,6 +57,14 @@ def export_revision(rev: str, into) -> Path:
     return Path(into)
 
 
+def engine_module(tree, name: str) -> str:
+    """The dotted name of shmcoll's engine module `name` (warmup, init_phases) in `tree`, a
+    copy of this repository: shmcoll.engine.<name> since the layered tree (2026-11-28),
+    shmcoll.<name> in the revisions before it (an older version of an in-run comparison)."""
+    new = Path(tree) / "shmcoll" / "engine" / f"{name}.py"
+    return f"shmcoll.engine.{name}" if new.exists() else f"shmcoll.{name}"
+
+
 def git_commit(start: Path = Path(__file__).resolve().parent) -> str:
     """The checked-out commit, read from .git directly (no git process); None if unknown."""
     for d in (start, *start.parents):

@@ -44,7 +44,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.header import export_revision
+from benchmarks.header import engine_module, export_revision
 
 __all__ = ["main", "run_once"]
 
@@ -60,12 +60,19 @@ torch.set_num_threads(1)
 t = time.perf_counter()
 import shmcoll
 import_s = time.perf_counter() - t
-try:
-    from shmcoll.engine import init_phases
-except ImportError:  # a revision from before init_phases
-    init_phases = None
+import importlib
+try:  # shmcoll/engine/ since the layered tree, shmcoll/ before
+    init_phases = importlib.import_module("shmcoll.engine.init_phases")
+except ImportError:
+    try:
+        init_phases = importlib.import_module("shmcoll.init_phases")
+    except ImportError:  # a revision from before init_phases
+        init_phases = None
 if preload == "preload":
-    from shmcoll.engine import warmup
+    try:
+        warmup = importlib.import_module("shmcoll.engine.warmup")
+    except ImportError:
+        warmup = importlib.import_module("shmcoll.warmup")
     warmup.warm_up(warmup.FIRST_REDUCERS)
 print("ready", flush=True)
 sys.stdin.readline()
@@ -148,8 +155,8 @@ def _base_tree(base, into):
         tree = Path(base)
     else:
         tree = export_revision(base, into)
-    subprocess.run([sys.executable, "-m", "shmcoll.engine.warmup"], cwd=tree, env=_env(tree),
-                   check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", engine_module(tree, "warmup")], cwd=tree,
+                   env=_env(tree), check=True, capture_output=True)
     return tree
 
 

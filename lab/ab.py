@@ -21,18 +21,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.header import export_revision
+from benchmarks.header import engine_module, export_revision
 
 __all__ = ["main"]
 
 _HERE = Path(__file__).resolve().parent.parent
-
-
-def _warmup_module(tree):
-    """The warm-up command's module in `tree`: engine/warmup.py since the layered tree
-    (2026-11-28), shmcoll/warmup.py in the revisions before it."""
-    return "shmcoll.engine.warmup" if (tree / "shmcoll" / "engine" / "warmup.py").exists() \
-        else "shmcoll.warmup"
 
 
 def _env(tree):
@@ -68,7 +61,7 @@ def main(argv=None):
         base = Path(args.base) if os.path.isdir(args.base) else export_revision(args.base, tmp)
         trees = {"A": base.resolve(), "B": _HERE}
         for tree in trees.values():
-            subprocess.run([sys.executable, "-m", _warmup_module(tree)], cwd=tree,
+            subprocess.run([sys.executable, "-m", engine_module(tree, "warmup")], cwd=tree,
                            env=_env(tree), check=True, capture_output=True)
         times = {"A": [], "B": []}
         for r in range(args.rounds):
