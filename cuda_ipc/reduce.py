@@ -16,7 +16,7 @@ is worth one (scripts/gpu_check.sh).
 
 import torch
 
-from shmcoll.native.reducers import OP_BAND, OP_BOR, OP_BXOR, OP_MAX, OP_MIN, OP_PRODUCT, OP_SUM
+from shmcoll.native.op_codes import OP_BAND, OP_BOR, OP_BXOR, OP_MAX, OP_MIN, OP_PRODUCT, OP_SUM
 
 __all__ = ["reduce_into"]
 

@@ -1,4 +1,4 @@
-"""The reducers' op codes: the numbers the compiled reducers (kernels.py) switch on and
+"""The reducers' op codes: the numbers the compiled reducers (reducers.py) switch on and
 their callers (ops.py, cuda_ipc) pass; here, without numba, so that ops.py and the code
 that builds a group import no kernel."""
 
