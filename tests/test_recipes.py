@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import harness
+from support import devshm
 from shmcoll.torch_backend import compat
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,10 +57,9 @@ def _run(args, torchrun=False, restarts=0, timeout_s=RUN_TIMEOUT_S):
                 "--max-restarts", str(restarts), "--monitor-interval", "0.1"]
     first = args[0] if args[0] == "-m" else os.path.join(EXAMPLES, args[0])
     cmd += [first] + [str(a) for a in args[1:]]
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    before = devshm.listing()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, cwd=ROOT, start_new_session=True)
+                            env=_env(), cwd=ROOT, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -71,7 +71,19 @@ def _run(args, torchrun=False, restarts=0, timeout_s=RUN_TIMEOUT_S):
         _end_session(proc.pid)
     assert proc.returncode == 0, (
         f"{' '.join(map(str, args))} failed ({proc.returncode}):\n{out[-8000:]}")
+    left = devshm.left_behind(before)
+    assert not left, f"{' '.join(map(str, args))} left in /dev/shm: {left}"
     return out
+
+
+def _env(**extra):
+    """The examples' environment. OMPI_MCA_btl=self: with mpi4py installed, Lightning's
+    environment detection imports it, which initialises MPI as a singleton, and Open MPI
+    5's shared-memory transport then leaves a 16 MiB segment in /dev/shm at every run; no
+    example uses MPI, so its in-process transport is all it needs."""
+    return dict(os.environ, OMP_NUM_THREADS="1", OMPI_MCA_btl="self",
+                PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+                **extra)
 
 
 def _session(sid):
@@ -160,6 +172,20 @@ def test_lightning_ddp_and_ddp_spawn_on_shm_match_gloo(tmp_path):
     _same(runs["shm", "ddp_spawn"], want, "ddp_spawn")
 
 
+@pytest.mark.skipif(_missing("mpi4py"), reason="mpi4py is not installed: nothing initialises MPI")
+@pytest.mark.timeout(120)
+def test_an_example_that_initialises_mpi_leaves_no_segment():
+    """What Lightning's environment detection does when mpi4py is installed (`from mpi4py
+    import MPI`: MPI initialised without mpirun), in the examples' environment: Open MPI's
+    shared-memory segment must not be left in /dev/shm (it was, 16 MiB per run)."""
+    before = devshm.listing()
+    proc = subprocess.run([sys.executable, "-c", "from mpi4py import MPI; "
+                           "print(MPI.COMM_WORLD.Get_size())"],
+                          capture_output=True, text=True, env=_env(), timeout=100)
+    assert proc.returncode == 0 and proc.stdout.strip() == "1", proc.stdout + proc.stderr
+    assert devshm.left_behind(before) == []
+
+
 # -- Hugging Face Accelerate ---------------------------------------------------------------
 
 
@@ -185,9 +211,8 @@ def test_accelerate_still_refuses_the_backend_name():
              "    PartialState(cpu=True, backend='shm')\n"
              "except ValueError as e:\n"
              "    print('refused:', e)\n")
-    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
-                          env=env, timeout=100)
+                          env=_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2"), timeout=100)
     assert "refused: Your assigned backend shm is not available, please use gloo" in \
         proc.stdout, proc.stdout + proc.stderr[-3000:]
 

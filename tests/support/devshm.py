@@ -11,6 +11,10 @@ import time
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "shmcoll-"
 FOREIGN_PREFIXES = ("sem.", "psm_")  # POSIX semaphores / multiprocessing.shared_memory
+# Open MPI 5's shared-memory transport (sm_segment.<host>.<uid>.<job>.<rank>): a process
+# that initialises MPI without mpirun (a singleton: `from mpi4py import MPI`, which
+# Lightning's environment detection runs when mpi4py is installed) leaves it behind.
+OPEN_MPI_PREFIX = "sm_segment."
 
 
 def listing():
@@ -51,6 +55,19 @@ def new_foreign_entries(before, settle_s=3.0):
         if not new or time.monotonic() > deadline:
             return new
         time.sleep(0.2)
+
+
+def left_behind(before):
+    """What a finished job left in /dev/shm since snapshot `before` (`listing()`): Open MPI
+    segments, and shmcoll segments whose owner is gone (a live owner's may belong to
+    another test's group)."""
+    return sorted(n for n in listing() - before
+                  if n.startswith(OPEN_MPI_PREFIX) or n.startswith(SEGMENT_PREFIX)
+                  and not _alive(owner_pid(n)))
+
+
+def _alive(pid):
+    return pid is not None and os.path.exists(f"/proc/{pid}")
 
 
 def dev_shm_mappings(pid="self"):
