@@ -8,6 +8,9 @@ in that window ends as it always did. Real rank processes (tests/_ranks.py); no 
 bounds beyond "well before the group timeout".
 """
 
+import subprocess
+import sys
+
 import pytest
 
 from _ranks import Job
@@ -88,3 +91,57 @@ def test_group_creation_imports_no_numba(tmp_path):
         assert all(ev["value"] == 3.0 and ev["numba"] for ev in first.values()), first
         assert job.join(60) == {0: 0, 1: 0}
     assert not shm_entries(list(job.pids.values()))
+
+
+_EXIT_WHILE_WARMING = r'''
+import atexit, sys, threading, time
+
+
+def report():  # registered before shmcoll's exit handler: runs after it
+    alive = [t.name for t in threading.enumerate() if t.name == "shmcoll-warmup"]
+    print("at exit:", alive, "shmcoll.native.reducers" in sys.modules, flush=True)
+
+
+atexit.register(report)
+import torch.distributed as dist
+from shmcoll.engine import warmup
+
+started = threading.Event()
+real = warmup._ready_numba
+
+
+def slowly():  # a long step: readying numba under load, or a cold compile
+    started.set()
+    time.sleep(2.0)
+    real()
+
+
+warmup._ready_numba = slowly
+dist.init_process_group("shm", init_method=sys.argv[1], rank=0, world_size=1)
+assert started.wait(60), "the warm-up never started"
+print("exiting", flush=True)
+'''
+
+
+def test_a_program_ending_while_the_warm_up_runs_waits_for_its_step(tmp_path):
+    """Guards: a program that ends while its group's warm-up thread runs waits for the
+    warm-up's current step and no further (warmup._at_exit): when the handlers registered
+    before shmcoll's run, the warm-up thread has ended without loading the kernels. A
+    daemon thread is frozen where it stands when the interpreter finalizes; frozen inside
+    numba's loader, it holds llvmlite's lock, which finalizing numba's modules takes: a
+    script that made a group and ended at once hung at exit in 3 of 12 runs before. Fails
+    if the exit does not wait for the warm-up (its thread is still alive then), or waits
+    for all of it (the kernels are loaded)."""
+    script = tmp_path / "exit_while_warming.py"
+    script.write_text(_EXIT_WHILE_WARMING)
+    proc = subprocess.Popen([sys.executable, str(script), f"file://{tmp_path / 'store'}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"the program hung at exit; stdout {out!r}")
+    assert proc.returncode == 0, err[-3000:]
+    assert "exiting" in out and "at exit: [] False" in out, (out, err[-3000:])
+    assert not shm_entries([proc.pid])

@@ -24,16 +24,25 @@ All compilation runs under jit.compiling: the ranks of a job never compile the s
 at the same time. Readying numba compiles nothing, so it runs outside that lock (under
 numba's own): inside it, the ranks of a job took turns at it, 2 ranks 2x its time, 4 ranks
 4x (docs/notes/2026-11-28-warm-init.md).
+
+At interpreter exit the warm-up stops at its next step, and the exit waits for it (at most
+EXIT_WAIT_S): a daemon thread is frozen wherever it stands when the interpreter finalizes,
+and one frozen inside numba's loader holds llvmlite's lock, which finalizing numba's
+modules takes: a program that made a group and ended at once hung there for good, about
+one run in four. (A group's own threads, the p2p progress thread and the executor's
+workers, are stopped by its close: the torch adapter's weakref.finalize, which runs at exit
+after this handler.)
 """
 
+import atexit
 import threading
 import time
 
 import numpy as np
 
+from ..native.op_codes import OP_SUM
 from ..p2p import compiled
 from .init_phases import phase
-from ..native.op_codes import OP_SUM
 
 __all__ = ["warm_up", "warm_up_async", "wait_ready", "ensure", "FIRST_REDUCERS"]
 
@@ -41,8 +50,25 @@ __all__ = ["warm_up", "warm_up_async", "wait_ready", "ensure", "FIRST_REDUCERS"]
 # ops.reduce_spec asks for it: kernels.reducer caches by the value it is given)
 FIRST_REDUCERS = (("float", np.dtype(np.float32), OP_SUM),)
 
+# What the exit waits for the warm-up: one step (readying numba, or loading a kernel,
+# compiled first when the cache is cold): ~0.05-3 s on the 2-core VM.
+EXIT_WAIT_S = 30.0
+
 _lock = threading.Lock()
 _ready = threading.Event()
+_stop = threading.Event()  # set at exit (_at_exit): a running warm-up ends at its next step
+_threads = []  # the threads warm_up_async started (its only writer)
+
+
+class _Stopped(Exception):
+    """The interpreter is exiting: the warm-up ends here (not an error)."""
+
+
+def _step(name):
+    """The warm-up's phase `name`, unless the interpreter is exiting (_Stopped)."""
+    if _stop.is_set():
+        raise _Stopped(name)
+    return phase(name)
 
 
 def warm_up(reducers=None):
@@ -52,14 +78,14 @@ def warm_up(reducers=None):
     t0 = time.perf_counter()
     with _lock:
         try:
-            with phase("numba's CPU target"):
+            with _step("numba's CPU target"):
                 _ready_numba()
-            with phase("kernels: import"):  # numba's modules and ours (compiled.py)
+            with _step("kernels: import"):  # numba's modules and ours (compiled.py)
                 atomics, kernels = compiled.atomics, compiled.kernels
                 protocol_kernels, p2p_cells = compiled.protocol_kernels, compiled.p2p_cells
-            with phase("kernels: atomics"):
+            with _step("kernels: atomics"):
                 atomics.warm_up()
-            with phase("kernels: one-step"):
+            with _step("kernels: one-step"):
                 protocol_kernels.warm_up_one_step()
             if reducers is None:
                 protocol_kernels.warm_up()
@@ -67,10 +93,12 @@ def warm_up(reducers=None):
                 p2p_cells.ensure_kernels()
             else:
                 for kind, storage, op in reducers:
-                    with phase(f"kernels: {np.dtype(storage)} {kind} reducer"):
+                    with _step(f"kernels: {np.dtype(storage)} {kind} reducer"):
                         kernels.reducer(storage, kind, op)
-                with phase("kernels: p2p progress wait"):
+                with _step("kernels: p2p progress wait"):
                     p2p_cells.ensure_progress_wait()
+        except _Stopped:
+            pass  # exiting: what is left is loaded by whoever needs it (ensure)
         finally:
             _ready.set()  # a failed warm-up must not block the first call (ensure raises)
     return time.perf_counter() - t0
@@ -116,8 +144,19 @@ def warm_up_async():
         return None
     thread = threading.Thread(target=warm_up, args=(FIRST_REDUCERS,), name="shmcoll-warmup",
                               daemon=True)
+    _threads[:] = [t for t in _threads if t.is_alive()] + [thread]
     thread.start()
     return thread
+
+
+@atexit.register
+def _at_exit():
+    """Let a running warm-up end at its next step, and wait for it, so that the
+    interpreter's finalization finds llvmlite's lock free (module docstring)."""
+    _stop.set()
+    deadline = time.monotonic() + EXIT_WAIT_S
+    for thread in list(_threads):
+        thread.join(max(0.0, deadline - time.monotonic()))
 
 
 if __name__ == "__main__":
