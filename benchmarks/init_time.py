@@ -6,7 +6,8 @@
     python -m benchmarks.init_time --base main              # also shm of another revision
 
 Warm: numba's cache already holds the kernels (`python -m shmcoll.engine.warmup` once, or any
-earlier job), and every rank is a process that has already imported torch and shmcoll
+earlier job), Python's bytecode cache holds shmcoll's modules (as after any install; the
+ranks run without PYTHONDONTWRITEBYTECODE, after one uncounted run), and every rank is a process that has already imported torch and shmcoll
 when the clock starts: what an elastic restart, a test that makes a group, or a job's
 start pays after the first one on a machine. Each measurement is a fresh set of processes
 (a kernel loaded by an earlier group in the same process would make it hot, not warm):
@@ -103,7 +104,12 @@ def _free_port():
 
 
 def _env(tree):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # Bytecode on, as for an installed package (pip compiles it at install): with
+    # PYTHONDONTWRITEBYTECODE (set on this VM) every rank compiled the ~60 modules that
+    # init imports from source again, ~90 ms of a 2-rank init here; torch's own modules had
+    # their .pyc. main() runs each tree once uncounted first, which writes them.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["OMP_NUM_THREADS"] = "1"
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     env["PYTHONPATH"] = os.pathsep.join([str(tree)] + (
         [env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
@@ -244,6 +250,9 @@ def main(argv=None):
         if args.base:
             trees[BASE] = _base_tree(args.base, tmp)
             backends.append(BASE)
+        for backend in backends:  # uncounted: writes each tree's .pyc files (_env)
+            run_once("shm" if backend == BASE else backend, sizes[0], args.rendezvous,
+                     args.preload, trees[backend])
         rows = []
         out = open(args.out, "a") if args.out else None
         load0 = os.getloadavg()
