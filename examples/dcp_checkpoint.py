@@ -21,7 +21,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+
+try:
+    from torch.distributed.fsdp import fully_shard
+except ImportError:  # torch < 2.6: FSDP2 was a private prototype
+    raise SystemExit("dcp_checkpoint.py needs torch >= 2.6 (FSDP2's public fully_shard); "
+                     f"this is torch {torch.__version__}") from None
 
 STEPS = 3
 
