@@ -205,9 +205,12 @@ def _circles(graph):
 
 
 def test_engine_imports_without_torch(tmp_path):
+    """(A cold kernel cache compiles here, behind other processes' compiles: the timeout
+    leaves room for that; a failure shows all the script said.)"""
     proc = subprocess.run([sys.executable, "-c", NO_TORCH_SCRIPT, str(tmp_path / "store")],
-                          capture_output=True, text=True, timeout=90, cwd=ROOT)
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+                          capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", \
+        f"exit {proc.returncode}\nstdout: {proc.stdout[-2000:]}\nstderr: {proc.stderr[-4000:]}"
 
 
 @pytest.mark.parametrize("path", _py_files(PACKAGE / "algorithms"),
