@@ -145,3 +145,55 @@ def test_a_program_ending_while_the_warm_up_runs_waits_for_its_step(tmp_path):
     assert proc.returncode == 0, err[-3000:]
     assert "exiting" in out and "at exit: [] False" in out, (out, err[-3000:])
     assert not shm_entries([proc.pid])
+
+
+_ENGINE_EXIT_WHILE_WARMING = r'''
+import atexit, sys, threading, time
+
+
+def report():  # registered before shmcoll's exit handler: runs after it
+    time.sleep(0.5)  # a p2p progress thread woken by the warm-up's end would import now
+    print("at exit:", "shmcoll.p2p.cells" in sys.modules, flush=True)
+
+
+atexit.register(report)
+import numpy as np
+import shmcoll
+from shmcoll.engine import warmup
+
+started = threading.Event()
+real = warmup._ready_numba
+
+
+def slowly():
+    started.set()
+    time.sleep(2.0)
+    real()
+
+
+warmup._ready_numba = slowly
+g = shmcoll.new_shm_group(shmcoll.FileStore(sys.argv[1]), 0, 1)
+assert started.wait(60), "the warm-up never started"
+print("exiting", flush=True)  # without closing g
+'''
+
+
+def test_an_engine_group_left_open_loads_nothing_at_exit(tmp_path):
+    """Guards: a numpy program that ends, its group left open, while the warm-up runs:
+    the warm-up stops at its next step (as above), and the group's p2p progress thread,
+    which waits for the warm-up before it loads its own kernel, loads nothing then
+    (warmup.wait_ready says False once the interpreter exits): a load under way when the
+    interpreter finalizes can hang the exit for good. Fails if the progress thread goes on
+    to import its kernel module after the exit handler."""
+    script = tmp_path / "engine_exit_while_warming.py"
+    script.write_text(_ENGINE_EXIT_WHILE_WARMING)
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "store")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"the program hung at exit; stdout {out!r}")
+    assert proc.returncode == 0, err[-3000:]
+    assert "exiting" in out and "at exit: False" in out, (out, err[-3000:])

@@ -29,9 +29,10 @@ At interpreter exit the warm-up stops at its next step, and the exit waits for i
 EXIT_WAIT_S): a daemon thread is frozen wherever it stands when the interpreter finalizes,
 and one frozen inside numba's loader holds llvmlite's lock, which finalizing numba's
 modules takes: a program that made a group and ended at once hung there for good, about
-one run in four. (A group's own threads, the p2p progress thread and the executor's
-workers, are stopped by its close: the torch adapter's weakref.finalize, which runs at exit
-after this handler.)
+one run in four. A p2p progress thread, which loads its kernel once the warm-up is done
+(wait_ready), loads nothing once the interpreter is exiting. (A torch group's threads are
+stopped by its close, which the adapter's weakref.finalize runs at exit after this
+handler, in the exiting thread; that close loads what the warm-up left undone, there.)
 """
 
 import atexit
@@ -58,6 +59,7 @@ _lock = threading.Lock()
 _ready = threading.Event()
 _stop = threading.Event()  # set at exit (_at_exit): a running warm-up ends at its next step
 _threads = []  # the threads warm_up_async started (its only writer)
+_never = threading.Event()  # never set: wait_ready's sleep at exit
 
 
 class _Stopped(Exception):
@@ -120,8 +122,17 @@ def _ready_numba():
 
 
 def wait_ready(timeout_s=None):
-    """Block until the warm_up_async() of a group creation has finished; True then."""
-    return _ready.wait(timeout_s)
+    """Block until the warm_up_async() of a group creation has finished; True then. False
+    after `timeout_s`, and always once the interpreter is exiting (_at_exit; after waiting
+    `timeout_s`, or for good): the warm-up stopped early then, and whoever waits for it (a
+    p2p progress thread, before it loads its kernel) must not start loading while the
+    interpreter finalizes (module docstring)."""
+    if not _ready.wait(timeout_s):
+        return False
+    if _stop.is_set():
+        _never.wait(timeout_s)
+        return False
+    return True
 
 
 def ensure(timeout_s=None):

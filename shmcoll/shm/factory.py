@@ -41,7 +41,7 @@ def new_shm_group(store, rank, world_size, timeout_s=1800.0, cfg=None, name="",
     if world_size == 1:  # no shared memory; a private region carries self-sends
         layout = RegionLayout(64, 2, 1, _config.p2p_cells(cfg, 1), cfg.p2p_cell_nbytes)
         p2p = P2PEngine([np.zeros(layout.nbytes, np.uint8)], 0, layout, lambda peer: True,
-                        name=name)
+                        name=name, ready=wait_ready)
         group = Group(None, 0, 1, timeout_s, cfg.direct_max_nbytes, closers=[p2p.close],
                       name=name, aborter=p2p.abort)
         group.attach_p2p(p2p)
