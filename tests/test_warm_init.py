@@ -93,6 +93,21 @@ def test_group_creation_imports_no_numba(tmp_path):
     assert not shm_entries(list(job.pids.values()))
 
 
+def _run_to_exit(script, arg):
+    """Run `script arg` to its end: (process, stdout, stderr), the exit status 0; a program
+    still running after TIMEOUT_S hung (at exit, for these scripts) and fails the test."""
+    proc = subprocess.Popen([sys.executable, str(script), arg], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"the program hung at exit; stdout {out!r}")
+    assert proc.returncode == 0, err[-3000:]
+    return proc, out, err
+
+
 _EXIT_WHILE_WARMING = r'''
 import atexit, sys, threading, time
 
@@ -140,15 +155,7 @@ def test_a_program_ending_while_the_warm_up_runs_waits_for_its_step(tmp_path):
     for all of it (it began a step after the one under way)."""
     script = tmp_path / "exit_while_warming.py"
     script.write_text(_EXIT_WHILE_WARMING)
-    proc = subprocess.Popen([sys.executable, str(script), f"file://{tmp_path / 'store'}"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-        pytest.fail(f"the program hung at exit; stdout {out!r}")
-    assert proc.returncode == 0, err[-3000:]
+    proc, out, err = _run_to_exit(script, f"file://{tmp_path / 'store'}")
     assert "exiting" in out and 'at exit: [] ["numba\'s CPU target"]' in out, (out, err[-3000:])
     assert not shm_entries([proc.pid])
 
@@ -193,13 +200,5 @@ def test_an_engine_group_left_open_loads_nothing_at_exit(tmp_path):
     to import its kernel module after the exit handler."""
     script = tmp_path / "engine_exit_while_warming.py"
     script.write_text(_ENGINE_EXIT_WHILE_WARMING)
-    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "store")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-        pytest.fail(f"the program hung at exit; stdout {out!r}")
-    assert proc.returncode == 0, err[-3000:]
+    proc, out, err = _run_to_exit(script, str(tmp_path / "store"))
     assert "exiting" in out and "at exit: False" in out, (out, err[-3000:])
