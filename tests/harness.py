@@ -12,8 +12,8 @@
         the default group is destroyed afterwards, whatever happened.
 
 Failures (gloo's spawnThreads, torch's spawn_threads_and_init_comms): the first rank error is
-re-raised as RankError("rank r: <original traceback>") and the other ranks are killed. Nothing
-can hang: past `timeout_s`, stuck ranks dump their stacks to stderr, every rank is killed and
+re-raised as RankError("rank r: <original traceback>") and the other ranks are killed (those
+still running dump their stacks to stderr first). Nothing can hang: past `timeout_s`, stuck ranks dump their stacks to stderr, every rank is killed and
 RankTimeout names the ranks that did not finish.
 
 Kinds are pluggable: KINDS maps a name to a Kind(run, new_group, available). The threaded
@@ -287,7 +287,7 @@ class _Pool:
                 _discard_pool("a job left torch.distributed initialized")
             return results
         stuck = sorted(pending)
-        for r in stuck if not errors else ():  # a pure timeout: stacks to stderr, then kill
+        for r in stuck:  # stacks to stderr (what a stuck rank waited on), then kill
             print(f"--- harness: stack of stuck rank {r} (pid {workers[r].proc.pid}) ---",
                   file=sys.stderr, flush=True)
             with contextlib.suppress(OSError):
@@ -301,7 +301,8 @@ class _Pool:
             if others:
                 note += "\n(also failed: " + "; ".join(others) + ")"
             if stuck:
-                note += f"\n(still running when killed: ranks {stuck})"
+                note += (f"\n(still running when killed: ranks {stuck}; their stacks are on "
+                         f"stderr)")
             raise RankError(rank, type_name, text.rstrip(), note)
         raise RankTimeout(stuck, timeout_s)
 

@@ -85,7 +85,9 @@ def run_in_processes(rank, world_size, store, names, backends):
 
     torch.set_num_threads(1)
     out = {}
-    for backend in backends:
+    for i, backend in enumerate(backends):
+        if i:  # the previous backend's groups are gone on every rank (see _torn_down)
+            _torn_down(store, backends[i - 1], world_size)
         workdir = os.path.join(store.path, f"work_{backend}")
         os.makedirs(workdir, exist_ok=True)
         generation = [0]
@@ -105,7 +107,21 @@ def run_in_processes(rank, world_size, store, names, backends):
                                     f"programs/{backend}")
         finally:
             dist.destroy_process_group()
+        store.set(f"programs/{backend}/torn_down/{rank}", "1")
     return out
+
+
+def _torn_down(store, backend, world_size):
+    """Wait (the store's deadline, 300 s) until every rank destroyed `backend`'s groups.
+
+    A group's teardown may wait out its timeout on one rank only: on torch 2.4, rank 0's
+    destroy_process_group() of the gloo group after the programs once stayed in the call for
+    more than GROUP_TIMEOUT_S (no Python frame below it: gloo's C++ teardown) while rank 1
+    went on, and rank 1's "shm" init then timed
+    out in node discovery waiting for rank 0 (1 run in ~10). The next backend's init
+    starts together on every rank, so its timeout measures its own rendezvous."""
+    for r in range(world_size):
+        store.get(f"programs/{backend}/torn_down/{r}")
 
 
 def run_on_threads(rank, world_size, names, workdir, store):
