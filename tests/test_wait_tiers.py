@@ -6,7 +6,6 @@ slow group: a yield tier that never ends, a turn that is never given back.
 """
 
 import ctypes
-import dataclasses
 import threading
 import time
 
@@ -206,8 +205,7 @@ def test_streamed_collectives_resume_through_the_python_wait(monkeypatch, world_
 
     monkeypatch.setattr(protocol, "SPINS", 0)
     monkeypatch.setattr(protocol, "YIELD_NS", 0)
-    cfg = dataclasses.replace(config.from_env(), slot_nbytes=64 << 10,
-                              direct_max_nbytes=direct_max)
+    cfg = config.from_env(slot_nbytes=64 << 10, direct_max_nbytes=direct_max)
     count = (1 << 20) // 4 + 3
     results = threaded_pg.run_threads(_stream_job, world_size, args=(count,), timeout=60,
                                       cfg=cfg)
