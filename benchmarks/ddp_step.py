@@ -1,16 +1,21 @@
-"""DDP training-step benchmark: time one optimizer step of DistributedDataParallel on CPU,
-per backend, next to the same step of the plain model on one rank (compute only).
+"""Training-step benchmark: time one optimizer step of DistributedDataParallel (or of FSDP2,
+`--wrappers fsdp2`) on CPU, per backend, next to the same step of the plain model on one
+rank (compute only).
 
     python -m benchmarks.ddp_step                          # shm,gloo x 2,4 ranks x mlp,convnet
     python -m benchmarks.ddp_step --backends shm,gloo --world-sizes 2,4 \\
         --models mlp,convnet --steps 30 --warmup 5 --out results/ddp_step.jsonl
+    python -m benchmarks.ddp_step --wrappers ddp,fsdp2 --world-sizes 2 --models mlp
 
 For every (model, world size, backend) the parent spawns `world_size` ranks (torch
 multiprocessing, spawn context, `file://` rendezvous in a fresh temp dir). Every rank builds
 the model from a fixed seed (the same on every rank and for every backend), wraps it in
 DistributedDataParallel (default bucket settings), and trains it with SGD (lr 0.01) on
 synthetic data seeded per rank. A step is zero_grad + forward + loss + backward (where DDP
-all-reduces the gradient buckets) + optimizer.step. `step_ms` is the median step time of
+all-reduces the gradient buckets) + optimizer.step. FSDP2 (torch >= 2.6) shards every layer
+with parameters and the root over the group (benchmarks/ddp_step_rank.py): its step
+all-gathers each layer's parameters (forward and backward) and reduce-scatters its
+gradients, the collectives FSDP and ZeRO spend their communication on. `step_ms` is the median step time of
 each rank, maximum over ranks. The "compute" row is the same step of the plain model (no
 DDP, no process group) in one process: `step_ms - compute_ms` is what DDP costs on top.
 
@@ -37,9 +42,9 @@ import time
 from pathlib import Path
 
 from benchmarks.bench import _csv, _stop  # the CLI list parser; terminate, then kill, stragglers
-from benchmarks.ddp_step_rank import LR, MODELS, _worker  # the models; one rank
+from benchmarks.ddp_step_rank import LR, MODELS, WRAPPERS, _worker  # the models; one rank
 
-__all__ = ["MODELS", "run_benchmark", "format_table", "main"]
+__all__ = ["MODELS", "WRAPPERS", "run_benchmark", "format_table", "main"]
 
 RTOL, ATOL = 1e-5, 1e-6
 COMPUTE = "compute"  # backend name of the compute-only reference row
@@ -83,8 +88,9 @@ def _first_line(text: str) -> str:
 
 def run_one(model: str, world_size: int, backend, steps: int, warmup: int, seed: int,
             timeout: float, keep_dir: Path, fail_grace: float = 10.0,
-            inject_error=None) -> dict:
-    """Spawn the ranks of one (model, world size, backend) run and wait with a deadline.
+            inject_error=None, wrapper: str = "ddp") -> dict:
+    """Spawn the ranks of one (model, wrapper, world size, backend) run and wait with a
+    deadline.
 
     backend None = the compute-only reference (one process, plain model). Returns a row;
     on success its 'params' key holds the path of rank 0's final parameters (in keep_dir).
@@ -92,14 +98,16 @@ def run_one(model: str, world_size: int, backend, steps: int, warmup: int, seed:
     import torch.multiprocessing as mp
 
     label = backend if backend is not None else COMPUTE
-    row = {"record": "row", "model": model, "world_size": world_size, "backend": label,
+    row = {"record": "row", "model": model, "wrapper": wrapper if backend is not None else None,
+           "world_size": world_size, "backend": label,
            "batch": MODELS[model][0], "steps": steps, "warmup": warmup, "seed": seed}
     rundir = Path(tempfile.mkdtemp(prefix="shmcoll-ddp-step-"))
     n = world_size if backend is not None else 1
     cfg = {"rundir": str(rundir), "backend": backend, "world_size": n, "model": model,
            "steps": steps, "warmup": warmup, "seed": seed,
            "init_method": f"file://{rundir / 'rendezvous'}",
-           "op_timeout": max(10.0, 0.75 * timeout), "inject_error": inject_error}
+           "op_timeout": max(10.0, 0.75 * timeout), "inject_error": inject_error,
+           "wrapper": wrapper}
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_worker, args=(r, cfg), daemon=True,
                          name=f"ddp-step-{label}-r{r}") for r in range(n)]
@@ -175,6 +183,9 @@ def run_one(model: str, world_size: int, backend, steps: int, warmup: int, seed:
             replicas_identical=res["replicas_identical"],
         )
         problems = []
+        if res["ranks"][0]["final"]["numel"] != res["init"]["numel"]:  # FSDP2: gathered whole?
+            problems.append(f"final parameters have {res['ranks'][0]['final']['numel']} "
+                            f"elements, the model {res['init']['numel']}")
         if not res["replicas_identical"]:
             problems.append(f"replicas differ: ranks {res['diverged_ranks']} != rank 0 "
                             f"(sums {[g['final']['sum'] for g in res['ranks']]})")
@@ -185,7 +196,7 @@ def run_one(model: str, world_size: int, backend, steps: int, warmup: int, seed:
         row["verify"] = "mismatch" if problems else "ok"
         if problems:
             row["problems"] = problems
-        dest = keep_dir / f"{model}-{world_size}-{label}-{len(os.listdir(keep_dir))}.pt"
+        dest = keep_dir / f"{model}-{wrapper}-{world_size}-{label}-{len(os.listdir(keep_dir))}.pt"
         shutil.move(str(rundir / "params.pt"), dest)
         row["_params_file"] = str(dest)
         return row
@@ -194,8 +205,9 @@ def run_one(model: str, world_size: int, backend, steps: int, warmup: int, seed:
 
 
 def cross_check(rows: list, reference: str) -> None:
-    """Compare the final parameters of every backend with `reference` (same model and world
-    size): same initial parameters, allclose(RTOL, ATOL) final ones. Updates rows."""
+    """Compare the final parameters of every backend with `reference` (same model, wrapper
+    and world size): same initial parameters, allclose(RTOL, ATOL) final ones. Updates
+    rows."""
     import torch
 
     ref = next((r for r in rows if r["backend"] == reference and r.get("_params_file")), None)
@@ -232,8 +244,8 @@ def cross_check(rows: list, reference: str) -> None:
 
 def run_benchmark(models=("mlp", "convnet"), world_sizes=(2, 4), backends=("shm", "gloo"),
                   steps=30, warmup=5, seed=0, timeout=300.0, compute_only=True,
-                  reference=None, on_row=None, inject_error=None) -> list:
-    """Run every (model, world size, backend) and return the rows (dicts).
+                  reference=None, on_row=None, inject_error=None, wrappers=("ddp",)) -> list:
+    """Run every (model, wrapper, world size, backend) and return the rows (dicts).
 
     compute_only: also time the plain model in one process (backend "compute", world size 1,
     one row per model). reference: the backend whose final parameters the others must match
@@ -245,6 +257,9 @@ def run_benchmark(models=("mlp", "convnet"), world_sizes=(2, 4), backends=("shm"
     for m in models:
         if m not in MODELS:
             raise ValueError(f"unknown model {m!r}; known: {', '.join(MODELS)}")
+    for w in wrappers:
+        if w not in WRAPPERS:
+            raise ValueError(f"unknown wrapper {w!r}; known: {', '.join(WRAPPERS)}")
     if reference is None:
         reference = "gloo" if "gloo" in backends else backends[0]
     rows = []
@@ -259,9 +274,10 @@ def run_benchmark(models=("mlp", "convnet"), world_sizes=(2, 4), backends=("shm"
                 rows.append(compute)
                 if on_row:
                     on_row(compute)
-            for ws in world_sizes:
+            for wrapper, ws in ((w, n) for w in wrappers for n in world_sizes):
                 group = [run_one(model, ws, b, steps, warmup, seed, timeout, keep_dir,
-                                 inject_error=inject_error if b != reference else None)
+                                 inject_error=inject_error if b != reference else None,
+                                 wrapper=wrapper)
                          for b in backends]
                 cross_check(group, reference)
                 if compute is not None and compute.get("init_sha256"):
@@ -291,9 +307,9 @@ def _add_ratios(rows, reference) -> None:
     index = {}
     for r in rows:  # a backend listed twice (noise check): compare with its first run
         if "step_ms" in r:
-            index.setdefault((r["model"], r["world_size"], r["backend"]), r)
+            index.setdefault((r["model"], r.get("wrapper"), r["world_size"], r["backend"]), r)
     for r in rows:
-        ref = index.get((r["model"], r["world_size"], reference))
+        ref = index.get((r["model"], r.get("wrapper"), r["world_size"], reference))
         if "step_ms" in r and ref is not None and r["backend"] != COMPUTE and ref["step_ms"]:
             r[f"ratio_vs_{reference}"] = r["step_ms"] / ref["step_ms"]
 
@@ -303,13 +319,14 @@ def _add_ratios(rows, reference) -> None:
 # ---------------------------------------------------------------------------------------
 def format_table(rows, reference="gloo") -> str:
     rk = f"ratio_vs_{reference}"
-    head = (f"{'model':<8} {'world_size':>10} {'backend':<8} {'step_ms':>9} {'min_ms':>9} "
+    head = (f"{'model':<8} {'wrapper':<7} {'world_size':>10} {'backend':<8} {'step_ms':>9} "
+            f"{'min_ms':>9} "
             f"{'overhead_ms':>11} {'overhead':>9} {'/' + reference:>9}  verify")
     lines = [head, "-" * len(head)]
     for r in rows:
         if "step_ms" not in r:
-            lines.append(f"{r['model']:<8} {r['world_size']:>10} {r['backend']:<8} "
-                         f"{'-':>9} {'-':>9} {'-':>11} {'-':>9} {'-':>9}  "
+            lines.append(f"{r['model']:<8} {r.get('wrapper') or '-':<7} {r['world_size']:>10} "
+                         f"{r['backend']:<8} {'-':>9} {'-':>9} {'-':>11} {'-':>9} {'-':>9}  "
                          f"ERROR: {r.get('error', '?')}")
             continue
         ov = f"{r['overhead_ms']:11.2f}" if "overhead_ms" in r else f"{'-':>11}"
@@ -322,8 +339,8 @@ def format_table(rows, reference="gloo") -> str:
             verify += f" (= {reference} bitwise)"
         elif "vs_ref_max_abs_diff" in r:
             verify += f" (max |diff| vs {reference} {r['vs_ref_max_abs_diff']:.2g})"
-        lines.append(f"{r['model']:<8} {r['world_size']:>10} {r['backend']:<8} "
-                     f"{r['step_ms']:9.2f} {r['step_ms_min']:9.2f} {ov} {pct} {ratio}  "
+        lines.append(f"{r['model']:<8} {r.get('wrapper') or '-':<7} {r['world_size']:>10} "
+                     f"{r['backend']:<8} {r['step_ms']:9.2f} {r['step_ms_min']:9.2f} {ov} {pct} {ratio}  "
                      f"{verify}")
     return "\n".join(lines)
 
@@ -349,7 +366,8 @@ def _header(args) -> dict:
             "torch": torch.__version__, "git_commit": commit,
             "load_avg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
             "command": " ".join(["python", "-m", "benchmarks.ddp_step"] + sys.argv[1:]),
-            "settings": {"models": args.models, "world_sizes": args.world_sizes,
+            "settings": {"models": args.models, "wrappers": args.wrappers,
+                         "world_sizes": args.world_sizes,
                          "backends": args.backends, "steps": args.steps,
                          "warmup": args.warmup, "seed": args.seed, "timeout": args.timeout,
                          "threads_per_rank": 1, "lr": LR, "rtol": RTOL, "atol": ATOL,
@@ -359,13 +377,15 @@ def _header(args) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.ddp_step",
-        description="Time a DDP training step (CPU) per backend, against the plain model's "
-                    "step on one rank; verify that replicas and backends agree.",
+        description="Time a DDP or FSDP2 training step (CPU) per backend, against the plain "
+                    "model's step on one rank; verify that replicas and backends agree.",
         epilog="exit status: 0 ok, 1 verification mismatch, 3 a run failed/hung, 2 usage.")
     a = p.add_argument
     a("--backends", default="shm,gloo", help="comma list (default shm,gloo)")
     a("--world-sizes", dest="world_sizes", default="2,4", help="comma list (default 2,4)")
     a("--models", default="mlp,convnet", help=f"comma list of {','.join(MODELS)}")
+    a("--wrappers", default="ddp", help=f"comma list of {','.join(WRAPPERS)} (default ddp; "
+      "fsdp2 needs torch >= 2.6)")
     a("--steps", type=int, default=30, help="timed steps (default 30)")
     a("--warmup", type=int, default=5, help="untimed steps first (default 5)")
     a("--seed", type=int, default=0, help="model and data seed (default 0)")
@@ -387,11 +407,16 @@ def main(argv=None) -> int:
         args.backends = _csv(args.backends)
         args.world_sizes = [int(x) for x in _csv(args.world_sizes)]
         args.models = _csv(args.models)
+        args.wrappers = _csv(args.wrappers)
         bad = [m for m in args.models if m not in MODELS]
         if bad:
             raise ValueError(f"unknown model(s) {bad}; known: {', '.join(MODELS)}")
-        if not args.backends or not args.world_sizes or not args.models:
-            raise ValueError("--backends, --world-sizes and --models must not be empty")
+        bad = [w for w in args.wrappers if w not in WRAPPERS]
+        if bad:
+            raise ValueError(f"unknown wrapper(s) {bad}; known: {', '.join(WRAPPERS)}")
+        if not args.backends or not args.world_sizes or not args.models or not args.wrappers:
+            raise ValueError("--backends, --world-sizes, --models and --wrappers must not be "
+                             "empty")
         if any(w < 1 for w in args.world_sizes) or args.steps < 1 or args.warmup < 0:
             raise ValueError("need world sizes >= 1, --steps >= 1, --warmup >= 0")
     except ValueError as e:
@@ -399,7 +424,7 @@ def main(argv=None) -> int:
     reference = "gloo" if "gloo" in args.backends else args.backends[0]
 
     header = _header(args)
-    print(f"# DDP step benchmark  torch {header['torch']}  python {header['python']}  "
+    print(f"# training step benchmark ({','.join(args.wrappers)})  torch {header['torch']}  python {header['python']}  "
           f"{header['cpu_cores_usable']} usable cores  load avg "
           f"{' '.join(f'{x:.2f}' for x in header['load_avg'] or [])}")
     print(f"# models {','.join(args.models)}  world sizes "
@@ -416,14 +441,15 @@ def main(argv=None) -> int:
 
     def on_row(r):
         t = f"{r['step_ms']:.2f} ms/step" if "step_ms" in r else f"ERROR {r.get('error')}"
-        print(f"  [{r['model']} world_size={r['world_size']} {r['backend']}] {t}, "
+        tag = f"{r['model']} {r['wrapper']}" if r.get("wrapper") else r["model"]
+        print(f"  [{tag} world_size={r['world_size']} {r['backend']}] {t}, "
               f"{r['verify']} ({r['wall_s']:.1f}s wall)", flush=True)
 
     t0 = time.monotonic()
     try:
         rows = run_benchmark(args.models, args.world_sizes, args.backends, args.steps,
                              args.warmup, args.seed, args.timeout, args.compute_only,
-                             reference, on_row, args.inject_error)
+                             reference, on_row, args.inject_error, args.wrappers)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130

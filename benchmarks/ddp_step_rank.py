@@ -1,5 +1,10 @@
 """One rank of benchmarks.ddp_step: the models, their synthetic data, and the training loop
-of a DDP rank (or of the single compute-only process), with its parameter digests.
+of a DDP or FSDP2 rank (or of the single compute-only process), with its parameter digests.
+
+FSDP2 (`fully_shard`, torch >= 2.6): every layer with parameters is a unit of its own, then
+the root, on a 1-D DeviceMesh over the benchmarked group; each step all-gathers each unit's
+parameters in forward (and again in backward: reshard_after_forward) and reduce-scatters
+its gradients. The final parameters are gathered (full_tensor) after the timed steps.
 
 The parent (benchmarks/ddp_step.py) spawns _worker(rank, cfg). Rank 0 writes result.json
 (every rank's timings and final-parameter digest, the replica check) and params.pt (its
@@ -18,8 +23,8 @@ import time
 import traceback
 from pathlib import Path
 
-__all__ = ["MODELS", "NUM_CLASSES", "LR", "build_model", "make_batches", "flat_params",
-           "digest"]
+__all__ = ["MODELS", "WRAPPERS", "NUM_CLASSES", "LR", "build_model", "make_batches",
+           "flat_params", "digest", "wrap"]
 
 MODELS = {
     # name: (batch size, input shape without batch, loss)
@@ -28,7 +33,12 @@ MODELS = {
 }
 NUM_CLASSES = 10
 LR = 0.01
+WRAPPERS = ("ddp", "fsdp2")
 _TORCH_BACKENDS = {"gloo", "nccl", "mpi", "ucc", "xccl", "fake", "threaded"}
+
+
+class _Fatal(Exception):
+    pass
 
 
 # ---------------------------------------------------------------------------------------
@@ -67,16 +77,43 @@ def make_batches(name: str, seed: int, rank: int, count: int):
 
 
 def flat_params(model):
+    """Every parameter, flattened into one tensor (FSDP2's sharded ones gathered whole: a
+    collective, so every rank calls it)."""
     import torch
 
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+                      .reshape(-1) for p in model.parameters()])
 
 
-def digest(model) -> dict:
+def wrap(model, wrapper: str, world_size: int):
+    """The model as the training loop calls it: DDP (default bucket settings) or FSDP2."""
+    import torch.nn as nn
+
+    if wrapper == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        return DDP(model)
+    if wrapper != "fsdp2":
+        raise ValueError(f"unknown wrapper {wrapper!r}; known: {', '.join(WRAPPERS)}")
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:
+        raise _Fatal("FSDP2 needs torch >= 2.6 (the public torch.distributed.fsdp."
+                     "fully_shard)") from None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model.modules():
+        if layer is not model and any(True for _ in layer.parameters(recurse=False)):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def digest(model, flat=None) -> dict:
     """sha256 of the raw bytes of all parameters (bitwise identity) + float64 sum."""
     import torch
 
-    flat = flat_params(model).contiguous()
+    flat = (flat_params(model) if flat is None else flat).contiguous()
     return {"sha256": hashlib.sha256(flat.numpy().tobytes()).hexdigest(),
             "sum": float(flat.to(torch.float64).sum()),
             "finite": bool(torch.isfinite(flat).all()),
@@ -86,10 +123,6 @@ def digest(model) -> dict:
 # ---------------------------------------------------------------------------------------
 # the rank process
 # ---------------------------------------------------------------------------------------
-class _Fatal(Exception):
-    pass
-
-
 def _worker(rank: int, cfg: dict) -> None:
     """One rank (or the single compute-only process when cfg['backend'] is None).
 
@@ -135,11 +168,7 @@ def _worker(rank: int, cfg: dict) -> None:
 
         model = build_model(name, seed)  # identical on every rank and for every backend
         init = digest(model)
-        if backend is not None:
-            from torch.nn.parallel import DistributedDataParallel as DDP
-            net = DDP(model)  # CPU, default bucket settings
-        else:
-            net = model
+        net = wrap(model, cfg["wrapper"], n) if backend is not None else model
         opt = torch.optim.SGD(net.parameters(), lr=LR)
         loss_fn = F.mse_loss if MODELS[name][2] == "mse" else F.cross_entropy
         data_rank = rank if backend is not None else 0
@@ -166,9 +195,11 @@ def _worker(rank: int, cfg: dict) -> None:
         inject = cfg.get("inject_error")
         if inject == "replica" and rank == n - 1 or inject == "backend":
             with torch.no_grad():  # self-test of the verification: must show up as mismatch
-                next(model.parameters()).view(-1)[0] += 1e-3
+                first = next(model.parameters())  # FSDP2: this rank's shard of it
+                (first.to_local() if hasattr(first, "to_local") else first).view(-1)[0] += 1e-3
+        final = flat_params(model)  # FSDP2: gathered on every rank
         mine = {"rank": rank, "median_ns": statistics.median(times), "min_ns": min(times),
-                "mean_ns": statistics.fmean(times), "final": digest(model),
+                "mean_ns": statistics.fmean(times), "final": digest(model, final),
                 "loss": float(loss.detach()) if loss is not None else None}
 
         if meta is not None:
@@ -187,7 +218,7 @@ def _worker(rank: int, cfg: dict) -> None:
                 "finite": all(g["final"]["finite"] for g in gathered),
                 "trained": gathered[0]["final"]["sha256"] != init["sha256"],
             }
-            torch.save(flat_params(model).clone(), rundir / "params.pt")
+            torch.save(final.clone(), rundir / "params.pt")
             tmp = rundir / "result.json.tmp"
             tmp.write_text(json.dumps(result))
             tmp.rename(rundir / "result.json")
