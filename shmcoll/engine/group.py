@@ -297,7 +297,7 @@ class Group:
         plan.pre, plan.post = (spec.pre, spec.post) if spec is not None else (1.0, 1.0)
         plan.mode = None if self._arena is None else \
             algorithms.one_step_mode(algo, self._arena, nbytes, storage.itemsize)
-        plan.view = view if plan.mode is None else np.dtype(np.uint8)
+        plan.view = view if plan.mode is None else _BYTES
         plan.words = np.array((_CODE[name],) + fp + (
             (spec.op, spec.fn) if spec is not None else (0, 0)), np.int64)
         if len(self._plans) >= _MAX_PLANS:
@@ -395,7 +395,9 @@ class Group:
                 src = ins if ins.ndim == 1 else ins.reshape(-1)
                 if plan.view is not None:
                     src = src.view(plan.view)
-                self._run_one_step("reduce_scatter", plan, src, as_bytes(out), -1, timeout_s)
+                self._run_one_step("reduce_scatter", plan, src,
+                                   (out if out.ndim == 1 else out.reshape(-1)).view(_BYTES),
+                                   -1, timeout_s)
                 return out
         check_arrays("reduce_scatter", [out])
         dt = dtype_of(out, dtype)
@@ -436,10 +438,12 @@ class Group:
                 plan = self._plan(key, "broadcast", (dtype_code(array), array.size, root, 0,
                                                      shape_word(array)),
                                   self._select("broadcast", array.nbytes), array.nbytes,
-                                  np.dtype(np.uint8))
+                                  _BYTES)
             if plan.mode is not None:
-                self._run_one_step("broadcast", plan, as_bytes(array), None, root,
-                                   timeout_s)
+                self._run_one_step(
+                    "broadcast", plan,
+                    (array if array.ndim == 1 else array.reshape(-1)).view(_BYTES), None, root,
+                    timeout_s)
                 return array
         self._root("broadcast", root)
         check_arrays("broadcast", [array])
@@ -457,22 +461,27 @@ class Group:
         elements) receives rank j's `array`."""
         if self._poison is not None or self._closed or self._kernels is not None:
             self._usable("all_gather")
-        check_arrays("all_gather", [array])
-        if type(outs) is np.ndarray and outs.flags.c_contiguous and outs.flags.writeable \
-                and outs.dtype == array.dtype and outs.size == self.world_size * array.size:
+        if type(array) is not np.ndarray:
+            check_arrays("all_gather", [array])
+        if type(outs) is np.ndarray and outs.dtype == array.dtype \
+                and outs.size == self.world_size * array.size and outs.flags.c_contiguous \
+                and outs.flags.writeable:
             # One contiguous output (all_gather_into_tensor): gathered straight into it.
             src = array if array.flags.c_contiguous else np.ascontiguousarray(array)
-            if self._arena is not None:
+            if self._arena is not None:  # the latency path: plan cached
                 key = ("all_gather", array.dtype, array.shape)
                 plan = self._plans.get(key)
                 if plan is None:
                     plan = self._plan(key, "all_gather", (dtype_code(array), src.size, 0, 0,
                                                           shape_word(array)),
                                       self._select("all_gather", src.nbytes), src.nbytes,
-                                      np.dtype(np.uint8))
-                if plan.mode is not None:
-                    self._run_one_step("all_gather", plan, as_bytes(src), as_bytes(outs), -1,
-                                       timeout_s)
+                                      _BYTES)
+                if plan.mode is not None:  # byte views, without a reshape when 1-D
+                    self._run_one_step(
+                        "all_gather", plan,
+                        (src if src.ndim == 1 else src.reshape(-1)).view(_BYTES),
+                        (outs if outs.ndim == 1 else outs.reshape(-1)).view(_BYTES), -1,
+                        timeout_s)
                     return outs
             self._run("all_gather", (dtype_code(array), src.size, 0, 0, shape_word(array)),
                       _local_all_gather if self._arena is None else
@@ -708,6 +717,7 @@ class _Plan:
 
 
 _MAX_PLANS = 256
+_BYTES = np.dtype(np.uint8)  # what the one-step kernel takes (and a plan's view then)
 
 
 # world_size == 1: the same semantics without any shared memory.
