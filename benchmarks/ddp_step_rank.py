@@ -87,8 +87,6 @@ def flat_params(model):
 
 def wrap(model, wrapper: str, world_size: int):
     """The model as the training loop calls it: DDP (default bucket settings) or FSDP2."""
-    import torch.nn as nn
-
     if wrapper == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
         return DDP(model)

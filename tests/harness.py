@@ -13,8 +13,9 @@
 
 Failures (gloo's spawnThreads, torch's spawn_threads_and_init_comms): the first rank error is
 re-raised as RankError("rank r: <original traceback>") and the other ranks are killed (those
-still running dump their stacks to stderr first). Nothing can hang: past `timeout_s`, stuck ranks dump their stacks to stderr, every rank is killed and
-RankTimeout names the ranks that did not finish.
+still running dump their stacks to stderr first). Nothing can hang: past `timeout_s`, stuck
+ranks dump their stacks to stderr, every rank is killed and RankTimeout names the ranks that
+did not finish.
 
 Kinds are pluggable: KINDS maps a name to a Kind(run, new_group, available). The threaded
 engine adds "threads" there (see the marked block below); test files parametrize over

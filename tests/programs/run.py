@@ -117,9 +117,9 @@ def _torn_down(store, backend, world_size):
     A group's teardown may wait out its timeout on one rank only: on torch 2.4, rank 0's
     destroy_process_group() of the gloo group after the programs once stayed in the call for
     more than GROUP_TIMEOUT_S (no Python frame below it: gloo's C++ teardown) while rank 1
-    went on, and rank 1's "shm" init then timed
-    out in node discovery waiting for rank 0 (1 run in ~10). The next backend's init
-    starts together on every rank, so its timeout measures its own rendezvous."""
+    went on, and rank 1's "shm" init then timed out in node discovery waiting for rank 0
+    (1 run in ~10). The next backend's init starts together on every rank, so its timeout
+    measures its own rendezvous."""
     for r in range(world_size):
         store.get(f"programs/{backend}/torn_down/{r}")
 
