@@ -144,21 +144,27 @@ def test_one_step_path_matches_the_general_path(kind, world_size, collective):
         assert after == [float(world_size)] * 8, (rank, after)
 
 
-def test_one_step_all_reduce_up_to_a_mebibyte(kind):
-    """A one-shot all_reduce of more than one streaming sub-chunk (512 KiB) but at most
-    UNSPLIT_MAX_NBYTES goes as one sub-chunk, so it is one step (mixed with ranks on the
-    general path, which must split it the same way: different step counts deadlock or read
-    the wrong sub-slot)."""
+@pytest.mark.parametrize("collective", ["all_reduce", "all_gather"])
+def test_one_step_up_to_a_mebibyte(kind, collective):
+    """A one-shot all_reduce or an all_gather into one array of more than one streaming
+    sub-chunk (512 KiB) but at most UNSPLIT_MAX_NBYTES goes as one sub-chunk, so it is one
+    step (all_reduce: mixed with ranks on the general path, which must split it the same
+    way: different step counts deadlock or read the wrong sub-slot); a message over it
+    streams in sub-chunks, on the general path, and its results are as exact."""
     from shmcoll.algorithms.all_reduce import STREAM_NBYTES, UNSPLIT_MAX_NBYTES
 
-    counts = (STREAM_NBYTES // 4 + 1, UNSPLIT_MAX_NBYTES // 4, UNSPLIT_MAX_NBYTES // 4 + 1)
+    itemsize = 4 if collective == "all_reduce" else 2  # _job's float32 / int16
+    counts = (STREAM_NBYTES // itemsize + 1, UNSPLIT_MAX_NBYTES // itemsize,
+              UNSPLIT_MAX_NBYTES // itemsize + 1)
     results = harness.run_ranks(_job, 2, kind, timeout_s=JOB_TIMEOUT_S,
-                                args=("all_reduce", counts))
+                                args=(collective, counts))
     for rank, (got, one_step, _mismatch, after) in enumerate(results):
         for i, values in enumerate(got):
-            assert values == _expected("all_reduce", 2, i, rank, counts), (rank, i)
-        # the third size is over UNSPLIT_MAX_NBYTES: streamed, never one step
-        want = [(rank + i) % 2 == 0 and i % 3 != 2 for i in range(ROUNDS)]
+            assert values == _expected(collective, 2, i, rank, counts), (rank, i)
+        # the third size is over UNSPLIT_MAX_NBYTES: streamed, never one step; all_gather
+        # takes the one step also from a strided input (through its contiguous copy)
+        want = [(collective == "all_gather" or (rank + i) % 2 == 0) and i % 3 != 2
+                for i in range(ROUNDS)]
         assert one_step == want, (rank, one_step)
         assert after == [2.0] * 8, (rank, after)
 

@@ -134,7 +134,7 @@ def select(collective, nbytes, world_size, direct_max_nbytes=-1, single_copy=NON
 
 # The streamed algorithms' one-step mode and their sub-chunk size for a message of nbytes.
 _STREAMED = {all_reduce_one_shot: (ONE_STEP_REDUCE, one_shot_sub_nbytes),
-             all_gather_direct: (ONE_STEP_GATHER, lambda nbytes: STREAM_NBYTES)}
+             all_gather_direct: (ONE_STEP_GATHER, one_shot_sub_nbytes)}
 
 
 def one_step_mode(algo, arena, nbytes, itemsize):

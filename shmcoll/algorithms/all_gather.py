@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from .all_reduce import STREAM_NBYTES
+from .all_reduce import one_shot_sub_nbytes
 
 __all__ = ["all_gather_direct", "all_gather_single_copy"]
 
@@ -15,7 +15,9 @@ def all_gather_direct(arena, inp, outs):
     layout) or a list (outs[j], all of inp's length).
     One output array: the whole collective is one streamed call (Arena.exchange_gather:
     sub-chunks through a 2-sub-slot ring, so the slot stays in cache; my own bytes are
-    copied from inp). Steps per sub-chunk: 1. Bytes: write S, read N*S.
+    copied from inp), in the sub-chunks one-shot all_reduce takes (one_shot_sub_nbytes: a
+    message up to 1 MiB is one sub-chunk, hence one compiled call, Arena.one_step). Steps
+    per sub-chunk: 1. Bytes: write S, read N*S.
     A list: chunks of a slot; steps per chunk: 1.
     1. copy my chunk into my slot; post (one exchange call).
     2. wait for all; copy chunk j from rank j's slot into outs[j].
@@ -23,7 +25,7 @@ def all_gather_direct(arena, inp, outs):
     if not isinstance(outs, list):
         i = arena.next_slot()
         arena.claim(i)
-        arena.exchange_gather(i, inp, outs, STREAM_NBYTES)
+        arena.exchange_gather(i, inp, outs, one_shot_sub_nbytes(inp.nbytes))
         return
     per = arena.slot_nbytes
     for start in range(0, inp.size, per):

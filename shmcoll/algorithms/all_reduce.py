@@ -18,7 +18,11 @@ STREAM_NBYTES = 512 << 10
 # in their L2 either way, and splitting it only adds a cross-core hand-over per sub-chunk.
 # Measured at 2 ranks, engine level, interleaved blocks in one run (median us, one sub-chunk
 # vs 512K sub-chunks): 1 MiB 147 vs 166, 162 vs 171; 2 MiB 340 vs 351, 4 MiB 632 vs 625
-# (within noise, so larger messages keep streaming, which wins from 16 MiB).
+# (within noise, so larger messages keep streaming, which wins from 16 MiB). all_gather into
+# one array streams by the same rule (up to 1 MiB it is then one compiled call, not two
+# sub-chunks through Python): 2 ranks, torch buffers, lab.ab_engine, one sub-chunk / 512K
+# sub-chunks, 2026-11-28: 640 KiB 0.92, 768 KiB 0.82, 1 MiB 0.90 and 0.84 (B won 75-93% of
+# the blocks); 256 KiB and 2-4 MiB unchanged (1.00-1.03), as they should be.
 UNSPLIT_MAX_NBYTES = 1 << 20
 
 
