@@ -15,9 +15,10 @@ synthetic data seeded per rank. A step is zero_grad + forward + loss + backward 
 all-reduces the gradient buckets) + optimizer.step. FSDP2 (torch >= 2.6) shards every layer
 with parameters and the root over the group (benchmarks/ddp_step_rank.py): its step
 all-gathers each layer's parameters (forward and backward) and reduce-scatters its
-gradients, the collectives FSDP and ZeRO spend their communication on. `step_ms` is the median step time of
-each rank, maximum over ranks. The "compute" row is the same step of the plain model (no
-DDP, no process group) in one process: `step_ms - compute_ms` is what DDP costs on top.
+gradients, the collectives FSDP and ZeRO spend their communication on. `step_ms` is the
+median step time of each rank, maximum over ranks. The "compute" row is the same step of
+the plain model (no DDP, no process group) in one process: `step_ms - compute_ms` is what
+DDP costs on top.
 
 Verification: every rank hashes its final parameters; rank 0 checks that all replicas are
 bitwise identical. The parent then checks that every backend started from the same initial
@@ -196,7 +197,8 @@ def run_one(model: str, world_size: int, backend, steps: int, warmup: int, seed:
         row["verify"] = "mismatch" if problems else "ok"
         if problems:
             row["problems"] = problems
-        dest = keep_dir / f"{model}-{wrapper}-{world_size}-{label}-{len(os.listdir(keep_dir))}.pt"
+        dest = keep_dir / (f"{model}-{wrapper}-{world_size}-{label}-"
+                           f"{len(os.listdir(keep_dir))}.pt")
         shutil.move(str(rundir / "params.pt"), dest)
         row["_params_file"] = str(dest)
         return row
@@ -340,8 +342,8 @@ def format_table(rows, reference="gloo") -> str:
         elif "vs_ref_max_abs_diff" in r:
             verify += f" (max |diff| vs {reference} {r['vs_ref_max_abs_diff']:.2g})"
         lines.append(f"{r['model']:<8} {r.get('wrapper') or '-':<7} {r['world_size']:>10} "
-                     f"{r['backend']:<8} {r['step_ms']:9.2f} {r['step_ms_min']:9.2f} {ov} {pct} {ratio}  "
-                     f"{verify}")
+                     f"{r['backend']:<8} {r['step_ms']:9.2f} {r['step_ms_min']:9.2f} {ov} {pct} "
+                     f"{ratio}  {verify}")
     return "\n".join(lines)
 
 
@@ -424,7 +426,8 @@ def main(argv=None) -> int:
     reference = "gloo" if "gloo" in args.backends else args.backends[0]
 
     header = _header(args)
-    print(f"# training step benchmark ({','.join(args.wrappers)})  torch {header['torch']}  python {header['python']}  "
+    print(f"# training step benchmark ({','.join(args.wrappers)})  torch {header['torch']}  "
+          f"python {header['python']}  "
           f"{header['cpu_cores_usable']} usable cores  load avg "
           f"{' '.join(f'{x:.2f}' for x in header['load_avg'] or [])}")
     print(f"# models {','.join(args.models)}  world sizes "
