@@ -22,16 +22,12 @@ import tempfile
 import time
 import warnings
 
+from benchmarks.sizes import parse_size
+
 __all__ = ["main"]
 
 OPS = ("all_reduce", "broadcast", "all_gather")
 LAYERS = ("engine", "adapter inline", "C++ ProcessGroup", "dist.*")
-
-
-def _size(text):
-    text = text.strip().upper()
-    mult = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
-    return int(text[:-1] if mult > 1 else text) * mult
 
 
 def _layers(op, pg, default, t, out):
@@ -115,7 +111,7 @@ def main(argv=None):
     ap.add_argument("--calls", type=int, default=40)
     args = ap.parse_args(argv)
     args.ops = [o for o in args.ops.split(",") if o]
-    args.sizes = [_size(s) for s in args.sizes.split(",") if s]
+    args.sizes = [parse_size(s) for s in args.sizes.split(",") if s]
     bad = [o for o in args.ops if o not in OPS]
     if bad:
         ap.error(f"unknown ops {bad}; known: {', '.join(OPS)}")

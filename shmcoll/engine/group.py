@@ -297,7 +297,7 @@ class Group:
         plan.pre, plan.post = (spec.pre, spec.post) if spec is not None else (1.0, 1.0)
         plan.mode = None if self._arena is None else \
             algorithms.one_step_mode(algo, self._arena, nbytes, storage.itemsize)
-        plan.view = view if plan.mode is None else _BYTES
+        plan.view = view if plan.mode is None else np.dtype(np.uint8)
         plan.words = np.array((_CODE[name],) + fp + (
             (spec.op, spec.fn) if spec is not None else (0, 0)), np.int64)
         if len(self._plans) >= _MAX_PLANS:
@@ -395,9 +395,7 @@ class Group:
                 src = ins if ins.ndim == 1 else ins.reshape(-1)
                 if plan.view is not None:
                     src = src.view(plan.view)
-                self._run_one_step("reduce_scatter", plan, src,
-                                   (out if out.ndim == 1 else out.reshape(-1)).view(_BYTES),
-                                   -1, timeout_s)
+                self._run_one_step("reduce_scatter", plan, src, as_bytes(out), -1, timeout_s)
                 return out
         check_arrays("reduce_scatter", [out])
         dt = dtype_of(out, dtype)
@@ -438,12 +436,10 @@ class Group:
                 plan = self._plan(key, "broadcast", (dtype_code(array), array.size, root, 0,
                                                      shape_word(array)),
                                   self._select("broadcast", array.nbytes), array.nbytes,
-                                  _BYTES)
+                                  np.dtype(np.uint8))
             if plan.mode is not None:
-                self._run_one_step(
-                    "broadcast", plan,
-                    (array if array.ndim == 1 else array.reshape(-1)).view(_BYTES), None, root,
-                    timeout_s)
+                self._run_one_step("broadcast", plan, as_bytes(array), None, root,
+                                   timeout_s)
                 return array
         self._root("broadcast", root)
         check_arrays("broadcast", [array])
@@ -475,13 +471,10 @@ class Group:
                     plan = self._plan(key, "all_gather", (dtype_code(array), src.size, 0, 0,
                                                           shape_word(array)),
                                       self._select("all_gather", src.nbytes), src.nbytes,
-                                      _BYTES)
-                if plan.mode is not None:  # byte views, without a reshape when 1-D
-                    self._run_one_step(
-                        "all_gather", plan,
-                        (src if src.ndim == 1 else src.reshape(-1)).view(_BYTES),
-                        (outs if outs.ndim == 1 else outs.reshape(-1)).view(_BYTES), -1,
-                        timeout_s)
+                                      np.dtype(np.uint8))
+                if plan.mode is not None:
+                    self._run_one_step("all_gather", plan, as_bytes(src), as_bytes(outs), -1,
+                                       timeout_s)
                     return outs
             self._run("all_gather", (dtype_code(array), src.size, 0, 0, shape_word(array)),
                       _local_all_gather if self._arena is None else
@@ -717,7 +710,6 @@ class _Plan:
 
 
 _MAX_PLANS = 256
-_BYTES = np.dtype(np.uint8)  # what the one-step kernel takes (and a plan's view then)
 
 
 # world_size == 1: the same semantics without any shared memory.

@@ -28,9 +28,13 @@ class Flat:
             self.array[...] = self.flat.view(self.array.dtype).reshape(self.array.shape)
 
 
+_BYTES = np.dtype(np.uint8)
+
+
 def as_bytes(array):
-    """Flat uint8 view of a C-contiguous array (callers make it contiguous first)."""
-    return array.reshape(-1).view(np.uint8)
+    """Flat uint8 view of a C-contiguous array (callers make it contiguous first). On the
+    latency path of every collective: a 1-D array is viewed without a reshape (~0.2 us)."""
+    return (array if array.ndim == 1 else array.reshape(-1)).view(_BYTES)
 
 
 def check_arrays(name, arrays, same_dtype=False):
