@@ -149,7 +149,8 @@ def scenario_creation_without_numba(c):
     (warmup.warm_up replaced by a wait, so nothing but the creation path runs in this
     process): report the numba / llvmlite modules and shmcoll's kernel modules imported
     when the group is back (there must be none: compiled.py), then let the warm-up go and
-    report a first all_reduce and that numba is loaded after it."""
+    report a first all_reduce, that numba is loaded after it, which of numba's registry
+    modules are, and what prebuilt.counts() says was loaded and compiled."""
     import sys
 
     import torch
@@ -174,8 +175,17 @@ def scenario_creation_without_numba(c):
     import torch.distributed as dist
     t = torch.full((4,), c.rank + 1.0)
     dist.all_reduce(t)
-    c.emit("first", value=float(t[0]), numba="numba" in sys.modules)
+    from shmcoll.native import prebuilt
+    registries = sorted(m for m in sys.modules if m in _NUMBA_REGISTRY_MODULES)
+    c.emit("first", value=float(t[0]), numba="numba" in sys.modules, registries=registries,
+           counts=prebuilt.counts())
     c.close()
+
+
+# Modules only numba's registries import (CPUContext.refresh: its typing and lowering
+# implementations), never numba's import or a kernel load (prebuilt.ready_runtime).
+_NUMBA_REGISTRY_MODULES = ("numba.np.arraymath", "numba.np.linalg", "numba.cpython.listobj",
+                           "numba.np.random.generator_methods", "numba.typed.listobject")
 
 
 # -- bullet 7: isolation ------------------------------------------------------------------------

@@ -9,10 +9,10 @@ creation itself imports no numba: compiled.py): a thread that imports and readie
 itself, then loads what nearly every first call needs: the atomics,
 the one-step kernel (small collectives; it moves bytes, the same for every dtype), the
 float32 sum reducer and the point-to-point progress thread's wait. Warm, loading them takes
-~0.05 s; readying numba (its CPU target: numba imports its implementations, scipy's BLAS
-among them) takes 0.3-1.5 s, most of what a warm first call waits for. The group does not
-wait for it:
-its first call does (`ensure`, through Group's kernel gate), so init_process_group
+~0.05-0.1 s; importing numba and readying its runtime ~0.3 s, most of what a warm first
+call waits for (the kernels load without numba's typing and lowering registries, which
+only a compilation reads: prebuilt.ready_runtime; with them it was ~1.1 s). The group does
+not wait for it: its first call does (`ensure`, through Group's kernel gate), so init_process_group
 returns after the rendezvous and the loading overlaps whatever the program does before
 its first collective. Nothing loads beside a collective: loading holds the GIL and a core,
 and a loader running beside the first collectives made them 3-30x slower for the first
@@ -23,7 +23,9 @@ ranks than cores). Cold, the same kernels compile (~1-1.5 s); the others load (o
 All compilation runs under jit.compiling: the ranks of a job never compile the same kernel
 at the same time. Readying numba compiles nothing, so it runs outside that lock (under
 numba's own): inside it, the ranks of a job took turns at it, 2 ranks 2x its time, 4 ranks
-4x (docs/notes/2026-11-28-warm-init.md).
+4x (docs/notes/2026-11-28-warm-init.md). A rank that compiles loads numba's registries
+then (numba's compiler does), inside the lock; the ranks that waited for it load the result
+without them.
 
 At interpreter exit the warm-up stops at its next step, and the exit waits for it (at most
 EXIT_WAIT_S): a daemon thread is frozen wherever it stands when the interpreter finalizes,
@@ -41,6 +43,7 @@ import time
 
 import numpy as np
 
+from ..native import jit
 from ..native.op_codes import OP_SUM
 from ..p2p import compiled
 from .init_phases import phase
@@ -80,7 +83,7 @@ def warm_up(reducers=None):
     t0 = time.perf_counter()
     with _lock:
         try:
-            with _step("numba's CPU target"):
+            with _step("numba: import, runtime"):
                 _ready_numba()
             with _step("kernels: import"):  # numba's modules and ours (compiled.py)
                 atomics, kernels = compiled.atomics, compiled.kernels
@@ -107,18 +110,10 @@ def warm_up(reducers=None):
 
 
 def _ready_numba():
-    """Initialize numba's CPU target (its typing and lowering registries), what numba does
-    before it loads or compiles its first function in a process (0.3-1.5 s on the 2-core
-    VM, most of it imports), here, outside the job's compile lock, under numba's own lock
-    (as numba does it): every rank of a job does it at once instead of in turn. Nothing is
-    compiled. A numba whose internals moved: nothing (its first load does it)."""
-    try:
-        from numba.core.compiler_lock import global_compiler_lock
-        from numba.core.registry import cpu_target
-    except ImportError:  # pragma: no cover -- read from numba 0.68
-        return
-    with global_compiler_lock:
-        cpu_target.target_context.refresh()
+    """Import numba and ready its runtime (jit.ready), what the first kernel load would do,
+    here, outside the job's compile lock, under numba's own (as numba does it): every rank
+    of a job does it at once instead of in turn. Nothing is compiled."""
+    jit.ready()
 
 
 def wait_ready(timeout_s=None):

@@ -6,8 +6,9 @@ answers for the layers below it too: protocol/compiled.py, p2p/compiled.py).
     compiled.kernels       reducers.py: the reducers, reduce_into / reduce_unchecked
     compiled.single_copy   single_copy_kernels.py: process_vm_readv and its phases
 
-Each name imports its module (and so numba, ~0.3 s, and numba's CPU target on the first
-kernel load, ~0.6-1 s) the first time it is read, then is a plain attribute of this module.
+Each name imports its module (and so numba, ~0.3 s, and numba's runtime on the first kernel
+load: prebuilt.ready_runtime) the first time it is read, then is a plain attribute of this
+module.
 So creating a group imports no numba: the group's warm-up thread (engine/warmup.py) is the
 first reader, and the group's first call, which waits for that warm-up (Group's kernel
 gate), finds them loaded. tests/test_warm_init.py checks that the creation path stays clear

@@ -22,6 +22,10 @@ bytecode and closure contents (and the shipped target where it would hold this C
 and features); a file that fails to load turns the shipped kernels off for the process,
 with a warning, and the kernels compile.
 
+Either cache loads a kernel without numba's typing and lowering registries (ready_runtime:
+numba's own load imports them all first, ~0.7 s of a warm first collective's ~1.1 s on the
+2-core VM); a compilation still loads them, numba's compiler does.
+
 Built by tools/build_kernels.py (setup.py, when the wheel is built): child processes compile
 them with NUMBA_CPU_NAME=<target>, NUMBA_CPU_FEATURES='' and BUILD_ENV set, which makes
 every KernelCache read and write the build directory only.
@@ -41,9 +45,11 @@ import llvmlite
 import numba
 from llvmlite import binding as ll
 from numba.core import caching
+from numba.core.runtime import rtsys as _runtime
 
 __all__ = ["KernelCache", "Status", "status", "counts", "building", "targets", "fields", "key",
-           "missing_features", "sources_digest", "CompileRecorder", "DIR_NAME", "MANIFEST"]
+           "missing_features", "sources_digest", "ready_runtime", "CompileRecorder",
+           "DIR_NAME", "MANIFEST"]
 
 log = logging.getLogger(__name__)
 
@@ -271,6 +277,28 @@ class _ShippedCache(caching.FunctionCache):
         return sig, self._magic, hashes
 
 
+def ready_runtime(target_context):
+    """Make `target_context` able to load a compiled kernel, and no more: numba's runtime
+    (NRT: its C helpers' symbols and its compiled refcount functions, ~25 ms), which a
+    kernel's array arguments use. numba's own load does target_context.refresh() instead:
+    that imports every implementation numba has (its typing and lowering registries,
+    scipy's BLAS among them: 0.6-0.7 s of a warm first call's ~1.1 s on the 2-core VM),
+    which only a compilation reads -- and numba's compiler does that refresh itself before
+    it compiles anything (CompilerBase). What the target context's creation does is
+    enough for the rest: the C helpers' and exceptions' symbols, the math functions. Safe
+    to call again (numba's initialize returns at once then)."""
+    _runtime.initialize(target_context)
+
+
+def _load(cache, sig, target_context):
+    """cache.load_overload(sig, target_context) without its refresh (ready_runtime); a
+    numba whose cache has no _load_overload: its load_overload, refresh and all."""
+    load = getattr(cache, "_load_overload", None)
+    if load is None:  # pragma: no cover -- read from numba 0.68
+        return cache.load_overload(sig, target_context)
+    return load(sig, target_context)
+
+
 class KernelCache(caching.NullCache):
     """The cache of one shmcoll kernel (a dispatcher's or a cfunc's): the shipped kernels
     first, then numba's own cache (FunctionCache), which keeps what this process compiles.
@@ -315,10 +343,11 @@ class KernelCache(caching.NullCache):
     def load_overload(self, sig, target_context):
         if not self._enabled:
             return None
+        ready_runtime(target_context)
         shipped = self._shipped_cache()
         if shipped is not None:
             try:
-                cres = shipped.load_overload(sig, target_context)
+                cres = _load(shipped, sig, target_context)
             except Exception as e:  # noqa: BLE001 -- a broken file: compile instead
                 if _BUILDING:
                     raise
@@ -329,7 +358,7 @@ class KernelCache(caching.NullCache):
                 return cres
         if self._own is None:
             return None
-        cres = self._own.load_overload(sig, target_context)
+        cres = _load(self._own, sig, target_context)
         if cres is not None:
             _counts["cached"] += 1
         return cres

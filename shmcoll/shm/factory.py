@@ -20,7 +20,7 @@ def new_shm_group(store, rank, world_size, timeout_s=1800.0, cfg=None, name="",
     The kernels load in a thread started here, once the group is made (warmup.py); the
     group is returned without waiting for them, and its first call waits
     (Group.wait_kernels). The thread starts after the rendezvous, not before: it imports
-    numba (~0.3 s of imports, then ~0.6 s readying numba's CPU target), which holds the GIL
+    numba (~0.3 s of imports, then its runtime and the kernels' loads), which holds the GIL
     in stretches of up to the switch interval (5 ms), and every return of the rendezvous
     from a store wait or a syscall would queue behind it
     (docs/notes/2026-11-28-warm-init-2.md).
