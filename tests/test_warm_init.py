@@ -118,6 +118,75 @@ def test_a_warm_first_call_loads_kernels_without_numbas_registries(tmp_path):
     assert not shm_entries(list(job.pids.values()))
 
 
+_READY_LOCK_ORDER = r'''
+import threading, time
+import numba
+from numba.core import registry
+from numba.core.compiler_lock import global_compiler_lock
+from shmcoll.native import jit
+prop = registry.CPUTarget.__dict__["_toplevel_target_context"]
+assert "_toplevel_target_context" not in vars(registry.cpu_target), "context made already"
+with prop._lock:  # another thread creating the target context (its first numba function)
+    ready = threading.Thread(target=jit.ready, daemon=True)
+    ready.start()
+    time.sleep(0.5)  # ready() is at the property by now
+    free = global_compiler_lock._lock.acquire(timeout=5)  # what the creation takes next
+    if free:
+        global_compiler_lock._lock.release()
+ready.join(60)
+print("compiler lock free:", free, "ready done:", not ready.is_alive(), flush=True)
+'''
+
+
+def test_readying_numba_takes_numbas_locks_in_numbas_order():
+    """Guards: the warm-up's first step (jit.ready) takes the target context's lazy
+    property before numba's compiler lock, as numba does when a thread defines its first
+    numba function (the property's lock held while the context's creation takes the
+    compiler lock). The test holds the property's lock, as such a thread would, while
+    ready() runs; the compiler lock must stay free. Fails if ready() takes the compiler
+    lock around the context (what it did: a node group of one rank loading its reducer
+    beside the warm-up deadlocked there, both threads for good)."""
+    proc = subprocess.run([sys.executable, "-c", _READY_LOCK_ORDER], capture_output=True,
+                          text=True, timeout=TIMEOUT_S * 2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "compiler lock free: True ready done: True" in proc.stdout, proc.stdout
+
+
+_ONE_RANK_GATE = r'''
+import threading
+import numpy as np
+import shmcoll
+from shmcoll.engine import warmup
+release, real = threading.Event(), warmup._ready_numba
+def held():
+    release.wait(60)
+    real()
+warmup._ready_numba = held
+group = shmcoll.new_shm_group(shmcoll.FileStore(__import__("sys").argv[1]), 0, 1)
+a = np.ones(8, np.float32)
+call = threading.Thread(target=group.all_reduce, args=(a,), daemon=True)
+call.start()
+call.join(1.0)
+print("returned while held:", not call.is_alive(), flush=True)
+release.set()
+call.join(60)
+print("returned:", not call.is_alive(), "value:", float(a[0]), flush=True)
+group.close()
+'''
+
+
+def test_a_group_of_one_rank_waits_for_the_warm_up_too(tmp_path):
+    """Guards: a group of one rank (no shared memory; a hierarchical group's node of one
+    rank) starts the warm-up like any group, and its first call waits for it (the kernel
+    gate) instead of loading its reducer beside it. Fails if its first all_reduce returns
+    while the warm-up is held, or does not return once it is let go."""
+    proc = subprocess.run([sys.executable, "-c", _ONE_RANK_GATE, str(tmp_path / "store")],
+                          capture_output=True, text=True, timeout=TIMEOUT_S * 2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "returned while held: False" in proc.stdout, proc.stdout
+    assert "returned: True value: 1.0" in proc.stdout, proc.stdout
+
+
 def _run_to_exit(script, arg):
     """Run `script arg` to its end: (process, stdout, stderr), the exit status 0; a program
     still running after TIMEOUT_S hung (at exit, for these scripts) and fails the test."""

@@ -12,9 +12,9 @@ float32 sum reducer and the point-to-point progress thread's wait. Warm, loading
 ~0.05-0.1 s; importing numba and readying its runtime ~0.3 s, most of what a warm first
 call waits for (the kernels load without numba's typing and lowering registries, which
 only a compilation reads: prebuilt.ready_runtime; with them it was ~1.1 s). The group does
-not wait for it: its first call does (`ensure`, through Group's kernel gate), so init_process_group
-returns after the rendezvous and the loading overlaps whatever the program does before
-its first collective. Nothing loads beside a collective: loading holds the GIL and a core,
+not wait for it: its first call does (`ensure`, through Group's kernel gate), so
+init_process_group returns after the rendezvous and the loading overlaps whatever the
+program does before its first collective. Nothing loads beside a collective: loading holds the GIL and a core,
 and a loader running beside the first collectives made them 3-30x slower for the first
 half second (a benchmark's small sizes, a training loop's first steps; worst with more
 ranks than cores). Cold, the same kernels compile (~1-1.5 s); the others load (or compile,

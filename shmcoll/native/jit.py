@@ -99,17 +99,22 @@ def _numba():
 
 def ready():
     """Import numba and make its CPU target able to load kernels, and no more: its target
-    context and runtime (prebuilt.ready_runtime), under numba's own lock, as numba's first
-    load would. Compiles nothing and loads none of numba's typing and lowering registries
-    (only a compilation reads them, and loads them itself). ~0.3 s warm on the 2-core VM,
-    nearly all of it numba's import."""
+    context and runtime (prebuilt.ready_runtime), as numba's first load would. Compiles
+    nothing and loads none of numba's typing and lowering registries (only a compilation
+    reads them, and loads them itself). ~0.3 s warm on the 2-core VM, nearly all of it
+    numba's import.
+
+    Lock order as numba's: the target context first (its lazy property holds its own lock
+    while the context's creation takes numba's compiler lock), then the compiler lock
+    (rtsys.initialize takes it), never the property inside the compiler lock: a thread
+    defining its first numba function (a kernel module's import, or the user's own
+    @njit) takes them in that order, and a warm-up that took the compiler lock first
+    deadlocked with it."""
     _numba()
-    from numba.core.compiler_lock import global_compiler_lock
     from numba.core.registry import cpu_target
 
     from . import prebuilt
-    with global_compiler_lock:
-        prebuilt.ready_runtime(cpu_target.target_context)
+    prebuilt.ready_runtime(cpu_target.target_context)
 
 
 def _probe():

@@ -286,7 +286,8 @@ def ready_runtime(target_context):
     which only a compilation reads -- and numba's compiler does that refresh itself before
     it compiles anything (CompilerBase). What the target context's creation does is
     enough for the rest: the C helpers' and exceptions' symbols, the math functions. Safe
-    to call again (numba's initialize returns at once then)."""
+    to call again (numba's initialize returns at once then); takes numba's compiler lock
+    (rtsys.initialize does), so the caller must not hold a lock numba takes after it."""
     _runtime.initialize(target_context)
 
 

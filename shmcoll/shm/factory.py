@@ -42,8 +42,10 @@ def new_shm_group(store, rank, world_size, timeout_s=1800.0, cfg=None, name="",
         layout = RegionLayout(64, 2, 1, _config.p2p_cells(cfg, 1), cfg.p2p_cell_nbytes)
         p2p = P2PEngine([np.zeros(layout.nbytes, np.uint8)], 0, layout, lambda peer: True,
                         name=name, ready=wait_ready)
+        # the gate too: a first call loads nothing beside the warm-up (a reduction's
+        # reducer, the hierarchical group's node group of one rank)
         group = Group(None, 0, 1, timeout_s, cfg.direct_max_nbytes, closers=[p2p.close],
-                      name=name, aborter=p2p.abort)
+                      name=name, aborter=p2p.abort, kernels=ensure)
         group.attach_p2p(p2p)
         warm_up_async()
         return group
