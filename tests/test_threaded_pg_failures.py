@@ -140,7 +140,7 @@ def test_collective_timeout_names_seq_group_and_missing_peer():
             parked.wait(30)  # rank 1 is in its loop before rank 0's 1 s timeout starts
             dist.all_reduce(torch.ones(1), group=sub)  # rank 1 never joins
         else:
-            rendezvous = threaded_pg.group.current_rank()[0]
+            rendezvous = threaded_pg.binding.current_rank()[0]
             parked.set()
             while not rendezvous.aborted:  # until rank 0's failure aborts the spawn
                 time.sleep(0.01)

@@ -12,6 +12,8 @@ generator outside rng_lock gets one SharedRNGWarning per spawn, naming rng_lock;
 thread, sections and code outside spawns do not; the originals are back after the spawn.
 """
 
+import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -83,6 +85,25 @@ def test_rng_lock_outside_a_spawn_only_seeds():
         with threaded_pg.rng_lock():  # nests
             drawn = [p.detach().clone() for p in _SlowInit().parameters()]
     assert _same(drawn, _reference())
+
+
+def test_rng_lock_in_a_process_imports_neither_the_groups_nor_numba():
+    """Guards: a program whose ranks are processes and which builds its model inside
+    rng_lock (the recipe, tests/programs/common.py) imports no threaded group module and no
+    numba for it (threaded_pg/binding.py holds the rank binding rng_lock reads): numba's
+    import (~0.3 s) and its kernel definitions would otherwise run in the program's main
+    thread beside the group's warm-up. Fails if rng.py reaches group.py again."""
+    script = ("import sys, torch, threaded_pg\n"
+              "with threaded_pg.rng_lock(seed=1):\n"
+              "    x = torch.rand(2)\n"
+              "torch.manual_seed(1)\n"
+              "assert torch.equal(x, torch.rand(2))\n"
+              "print(sorted(m for m in sys.modules if m.split('.')[0] == 'numba'\n"
+              "             or m == 'threaded_pg.group'))\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "[]", proc.stdout
 
 
 def test_collective_inside_the_section_fails_at_once():

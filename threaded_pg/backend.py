@@ -18,7 +18,8 @@ from shmcoll.torch_backend.process_group import EngineProcessGroup, ShmOptions
 from shmcoll.torch_backend.executor import Executor
 
 from . import world
-from .group import bind_rank, current_rank, new_threaded_group
+from .binding import bind_rank, current_rank
+from .group import new_threaded_group
 from .rng import in_rng_section
 
 __all__ = ["new_process_group", "ThreadedProcessGroup", "RankThreadExecutor"]

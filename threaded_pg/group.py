@@ -24,22 +24,7 @@ from shmcoll.protocol import RegionLayout
 
 from .arena import RankStates, ThreadRegions, is_spin_off, new_thread_arena, thread_liveness
 
-__all__ = ["Rendezvous", "new_threaded_group", "GroupRecord", "Turn", "bind_rank",
-           "current_rank"]
-
-# Which spawn and rank the calling thread belongs to: a per-thread pointer set by the spawn
-# for its own rank threads (not a registry: nothing here outlives the thread's binding).
-_thread_rank = threading.local()
-
-
-def bind_rank(rendezvous, global_rank):
-    """Mark the calling thread as rank `global_rank` of `rendezvous` (None: unbind)."""
-    _thread_rank.binding = None if rendezvous is None else (rendezvous, global_rank)
-
-
-def current_rank():
-    """(rendezvous, global_rank) of the calling rank thread, or None."""
-    return getattr(_thread_rank, "binding", None)
+__all__ = ["Rendezvous", "new_threaded_group", "GroupRecord", "Turn"]
 
 
 class GroupRecord:

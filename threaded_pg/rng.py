@@ -37,7 +37,7 @@ import torch
 
 from shmcoll.torch_backend import compat
 
-from .group import current_rank
+from .binding import current_rank
 
 __all__ = ["rng_lock", "in_rng_section", "SharedRNGWarning", "watch_seeding",
            "unwatch_seeding"]

@@ -27,7 +27,8 @@ import traceback
 
 from shmcoll.errors import CollectiveTimeoutError, GroupAbortedError, PeerLostError
 
-from .group import Rendezvous, bind_rank
+from .binding import bind_rank
+from .group import Rendezvous
 
 __all__ = ["run_threads", "RankFailedError", "SpawnTimeoutError", "describe_ranks",
            "DEFAULT_TIMEOUT_S", "ABORT_GRACE_S"]
