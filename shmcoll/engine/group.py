@@ -27,7 +27,8 @@ import numpy as np
 from .. import algorithms
 from ..native import compiled
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError, ShmcollError
-from .group_args import all_to_all_args, as_bytes, check_arrays, dtype_code, Flat, shape_word
+from .group_args import BYTES, all_to_all_args, as_bytes, check_arrays, dtype_code, Flat, \
+    shape_word
 from ..native.ops import DTYPE_BY_CODE, ReduceOp, dtype_of, reduce_spec
 
 __all__ = ["Group", "COLLECTIVES"]
@@ -297,7 +298,7 @@ class Group:
         plan.pre, plan.post = (spec.pre, spec.post) if spec is not None else (1.0, 1.0)
         plan.mode = None if self._arena is None else \
             algorithms.one_step_mode(algo, self._arena, nbytes, storage.itemsize)
-        plan.view = view if plan.mode is None else np.dtype(np.uint8)
+        plan.view = view if plan.mode is None else BYTES
         plan.words = np.array((_CODE[name],) + fp + (
             (spec.op, spec.fn) if spec is not None else (0, 0)), np.int64)
         if len(self._plans) >= _MAX_PLANS:
@@ -436,7 +437,7 @@ class Group:
                 plan = self._plan(key, "broadcast", (dtype_code(array), array.size, root, 0,
                                                      shape_word(array)),
                                   self._select("broadcast", array.nbytes), array.nbytes,
-                                  np.dtype(np.uint8))
+                                  BYTES)
             if plan.mode is not None:
                 self._run_one_step("broadcast", plan, as_bytes(array), None, root,
                                    timeout_s)
@@ -471,7 +472,7 @@ class Group:
                     plan = self._plan(key, "all_gather", (dtype_code(array), src.size, 0, 0,
                                                           shape_word(array)),
                                       self._select("all_gather", src.nbytes), src.nbytes,
-                                      np.dtype(np.uint8))
+                                      BYTES)
                 if plan.mode is not None:
                     self._run_one_step("all_gather", plan, as_bytes(src), as_bytes(outs), -1,
                                        timeout_s)

@@ -28,13 +28,13 @@ class Flat:
             self.array[...] = self.flat.view(self.array.dtype).reshape(self.array.shape)
 
 
-_BYTES = np.dtype(np.uint8)
+BYTES = np.dtype(np.uint8)  # what the one-step kernel takes (as_bytes' view, a plan's)
 
 
 def as_bytes(array):
     """Flat uint8 view of a C-contiguous array (callers make it contiguous first). On the
     latency path of every collective: a 1-D array is viewed without a reshape (~0.2 us)."""
-    return (array if array.ndim == 1 else array.reshape(-1)).view(_BYTES)
+    return (array if array.ndim == 1 else array.reshape(-1)).view(BYTES)
 
 
 def check_arrays(name, arrays, same_dtype=False):

@@ -14,11 +14,11 @@ call waits for (the kernels load without numba's typing and lowering registries,
 only a compilation reads: prebuilt.ready_runtime; with them it was ~1.1 s). The group does
 not wait for it: its first call does (`ensure`, through Group's kernel gate), so
 init_process_group returns after the rendezvous and the loading overlaps whatever the
-program does before its first collective. Nothing loads beside a collective: loading holds the GIL and a core,
-and a loader running beside the first collectives made them 3-30x slower for the first
-half second (a benchmark's small sizes, a training loop's first steps; worst with more
-ranks than cores). Cold, the same kernels compile (~1-1.5 s); the others load (or compile,
-0.1-0.5 s each) on their first use.
+program does before its first collective. Nothing loads beside a collective: loading
+holds the GIL and a core, and a loader running beside the first collectives made them
+3-30x slower for the first half second (a benchmark's small sizes, a training loop's
+first steps; worst with more ranks than cores). Cold, the same kernels compile (~1-1.5 s);
+the others load (or compile, 0.1-0.5 s each) on their first use.
 
 All compilation runs under jit.compiling: the ranks of a job never compile the same kernel
 at the same time. Readying numba compiles nothing, so it runs outside that lock (under
