@@ -210,3 +210,38 @@ def test_inter_node_p2p_future_fails_with_the_error():
         work.get_future().wait()
     with pytest.raises(RuntimeError, match="recv: connection closed by peer"):
         work.wait()
+
+
+def _watchdog_after_destroy(rank, world_size, store):
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    import shmcoll  # noqa: F401  (registers "shm")
+
+    def watchdogs():
+        return [t for t in threading.enumerate() if t.name == "shmcoll-hier-watchdog"]
+
+    with harness.patched_environ({"SHMCOLL_NODE_ID": "ab"[rank]}):
+        dist.init_process_group("shm", init_method=f"file://{store.path}/rdv", rank=rank,
+                                world_size=world_size)
+    sub = dist.new_group([0, 1])  # the user keeps a handle past destroy_process_group
+    t = torch.full((8,), float(rank + 1))
+    dist.all_reduce(t, group=sub)
+    had = bool(watchdogs())
+    dist.destroy_process_group()
+    deadline = time.monotonic() + 5.0
+    while watchdogs() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return t.tolist(), had, bool(watchdogs()), sub is not None
+
+
+def test_watchdog_thread_ends_when_the_groups_close():
+    """Guards: the per-process hierarchical watchdog (100 ms polls) ends once every group
+    it watches is closed, even while the user still holds a group's handle."""
+    results = harness.run_ranks(_watchdog_after_destroy, 2, "processes", 80)
+    for values, had, left, _ in results:
+        assert values == [3.0] * 8
+        assert had, "no watchdog thread while a hierarchical group was open"
+        assert not left, "the watchdog thread outlived every group it watched"

@@ -327,21 +327,36 @@ def test_abort_frees_blocked_recv_on_both_ranks():
 
 
 def _idle_cpu(rank, ws, store):
+    import threading
+
+    from shmcoll.engine import warmup
+    before = set(threading.enumerate())
     g = harness.new_group(store, rank, ws)
     g.barrier()
-    c0, t0 = time.process_time(), time.monotonic()
+    # The group's warm-up may still load kernels in the background after its first call:
+    # that is not idle work, so the measurement starts once it is done, and it reads the
+    # progress thread's own CPU clock besides the process's.
+    assert warmup.wait_ready(60.0)
+    loop, = [t for t in set(threading.enumerate()) - before if t.name.startswith("shmcoll-p2p-")]
+    clock = time.pthread_getcpuclockid(loop.ident)
+    c0, l0, t0 = time.process_time(), time.clock_gettime(clock), time.monotonic()
     time.sleep(2.0)
-    cpu, wall = time.process_time() - c0, time.monotonic() - t0
+    wall = time.monotonic() - t0
+    cpu, loop_cpu = time.process_time() - c0, time.clock_gettime(clock) - l0
     g.barrier()
     g.close()
-    return cpu / wall
+    return loop_cpu / wall, cpu / wall
 
 
 def test_idle_progress_thread_uses_little_cpu():
-    """Guards: an idle group's progress thread sleeps (1 ms polls), not spins."""
+    """Guards: an idle group's progress thread sleeps (polls backing off to 8 ms), not
+    spins: its own CPU clock over 2 s of idleness, after the warm-up has finished. Here it
+    is ~2 % of a core; a spinning thread takes most of one, so the bound is loose (the
+    process's share, which other threads' work also moves, is printed, not asserted)."""
     shares = _run(_idle_cpu, 2)
-    print(f"\n[figures] idle CPU share per rank: {[round(s, 4) for s in shares]}")
-    assert max(shares) < 0.10, shares
+    print(f"\n[figures] idle CPU share per rank (progress thread, process): "
+          f"{[tuple(round(x, 4) for x in s) for s in shares]}")
+    assert max(s[0] for s in shares) < 0.25, shares
 
 
 # -------------------------------------------------------------- peer killed during a recv

@@ -155,7 +155,8 @@ class Watchdog:
     """One daemon thread per process, for collectives that run long (group.watch): it
     wakes a rank blocked in a shared-memory wait when the board shows another rank's
     failure, and reports where the rank is once the collective has run report_after_s
-    (so that a timeout can say where every rank was)."""
+    (so that a timeout can say where every rank was). It runs while an open group is
+    registered: a group registers when it is made and unregisters when it closes."""
 
     _lock = threading.Lock()
     _groups = weakref.WeakSet()
@@ -170,6 +171,13 @@ class Watchdog:
                 cls._thread = threading.Thread(target=cls._loop, name="shmcoll-hier-watchdog",
                                                daemon=True)
                 cls._thread.start()
+
+    @classmethod
+    def unregister(cls, group):
+        """`group` closed: stop watching it (the thread ends at its next tick once no group
+        is left, even while the user still holds a closed group's handle)."""
+        with cls._lock:
+            cls._groups.discard(group)
 
     @classmethod
     def _loop(cls):

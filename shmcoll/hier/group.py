@@ -362,6 +362,7 @@ class HierGroup(Collectives):
             return
         self._closed = True
         self.position = None
+        Watchdog.unregister(self)
         try:
             self.intra.close()
         finally:
