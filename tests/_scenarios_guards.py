@@ -184,8 +184,12 @@ def scenario_creation_without_numba(c):
 
 # Modules only numba's registries import (CPUContext.refresh: its typing and lowering
 # implementations), never numba's import or a kernel load (prebuilt.ready_runtime).
+# numba.np.arrayobj (~30 ms with what it imports) is one: a reducer's cached code imported
+# it through numba.carray's compiled helper until the reducers made their views with an
+# intrinsic (reducers._view).
 _NUMBA_REGISTRY_MODULES = ("numba.np.arraymath", "numba.np.linalg", "numba.cpython.listobj",
-                           "numba.np.random.generator_methods", "numba.typed.listobject")
+                           "numba.np.random.generator_methods", "numba.typed.listobject",
+                           "numba.np.arrayobj")
 
 
 # -- bullet 7: isolation ------------------------------------------------------------------------

@@ -30,14 +30,13 @@ Why it looks like this:
 * Work goes block by block over 0-based views: an element loop indexing `out[start + j]`
   would not vectorize (numba's negative-index fix-up makes the address non-affine). Out is
   folded into directly when that is safe (out is src 0, or aliases no source); otherwise
-  through a private block accumulator, so out may alias any source.
+  through a private block accumulator on the stack, so out may alias any source.
 * float16 / bfloat16 have no numba support on CPU: they stay uint16 bit patterns, widened to
   float32 with integer bit tricks, accumulated in float32 and rounded once (RNE) at the end.
 """
 
 import time
 
-import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
@@ -84,16 +83,46 @@ _SIG = types.void(types.int64, types.int64, types.int64, types.int64, types.int6
 # ---------------------------------------------------------------------------- intrinsics
 
 @intrinsic
-def _ptr(typingctx, addr, dtype):
-    """int64 address -> pointer to `dtype` (a numpy scalar type such as np.float32)."""
-    if not isinstance(addr, types.Integer) or not isinstance(dtype, types.NumberClass):
+def _stack_bytes(typingctx, nbytes):
+    """The int64 address of `nbytes` bytes on the calling kernel's stack (64-byte aligned,
+    uninitialized, gone when the kernel returns): the reducers' block buffers (at most
+    2 x 16 KiB). np.empty there would allocate twice per call, and its compiled helper
+    would bring the environment _view avoids."""
+    if not isinstance(nbytes, types.Integer):
         return None
-    ptr = types.CPointer(dtype.instance_type)
 
     def codegen(context, builder, sig, args):
-        return builder.inttoptr(args[0], context.get_value_type(ptr))
+        block = builder.alloca(ir.IntType(8), size=args[0])
+        block.align = 64
+        return builder.ptrtoint(block, ir.IntType(64))
 
-    return ptr(types.int64, dtype), codegen
+    return types.int64(types.int64), codegen
+
+
+@intrinsic
+def _view(typingctx, addr, dtype, count):
+    """A 1-D C-contiguous array of `count` elements of `dtype` (a numpy scalar type) at the
+    int64 address `addr`, owning nothing: numba.carray, without its overload, whose
+    compiled helper would carry an environment of numba.np.arrayobj into every reducer's
+    cached code (loading one would import that module: ~30 ms of a warm first
+    collective). The array helpers below run only while a kernel compiles."""
+    if not isinstance(addr, types.Integer) or not isinstance(dtype, types.NumberClass) \
+            or not isinstance(count, types.Integer):
+        return None
+    arrty = types.Array(dtype.instance_type, 1, "C")
+
+    def codegen(context, builder, sig, args):
+        elem = context.get_data_type(dtype.instance_type)
+        itemsize = context.get_abi_sizeof(elem)
+        ary = context.make_array(arrty)(context, builder)
+        context.populate_array(
+            ary, data=builder.inttoptr(args[0], elem.as_pointer()),
+            shape=[context.cast(builder, args[2], sig.args[2], types.intp)],
+            strides=[context.get_constant(types.intp, itemsize)], itemsize=itemsize,
+            meminfo=None)
+        return ary._getvalue()
+
+    return arrty(addr, dtype, count), codegen
 
 
 @intrinsic
@@ -203,7 +232,7 @@ def _build_same(storage, sum_only):
 
     def reduce(out_addr, srcs_addr, nsrc, offset, mine, nbytes, op, pre, post):
         n = nbytes // SIZE
-        srcs = numba.carray(_ptr(srcs_addr, np.int64), (nsrc,))
+        srcs = _view(srcs_addr, np.int64, nsrc)
         scaled = SCALED and pre != 1
         # Fold straight into out unless writing it could clobber a source not yet read (out
         # is src k >= 1) or sources need a scaled copy first. out == src 0 needs no copy.
@@ -212,16 +241,16 @@ def _build_same(storage, sum_only):
             if k == mine or srcs[k] + offset == out_addr:
                 direct = False
         in_place = direct and (mine == 0 or srcs[0] + offset == out_addr)
-        acc = np.empty(0 if direct else BLK, NP)
-        tmp = np.empty(BLK if scaled else 0, NP)
+        acc = _view(_stack_bytes(BLK * SIZE), NP, BLK)
+        tmp = _view(_stack_bytes(BLK * SIZE), NP, BLK)
         p, q = NP(pre), NP(post)
         for start in range(0, n, BLK):
             m = min(BLK, n - start)
-            o = numba.carray(_ptr(out_addr + start * SIZE, NP), (m,))
+            o = _view(out_addr + start * SIZE, NP, m)
             d = o if direct else acc[:m]
             for k in range(1 if in_place else 0, nsrc):
                 at = out_addr if k == mine else srcs[k] + offset
-                x = numba.carray(_ptr(at + start * SIZE, NP), (m,))
+                x = _view(at + start * SIZE, NP, m)
                 if scaled:
                     for j in range(m):
                         tmp[j] = x[j] * p
@@ -272,15 +301,15 @@ def _build_16(bf16, sum_only):
 
     def reduce(out_addr, srcs_addr, nsrc, offset, mine, nbytes, op, pre, post):
         n = nbytes // 2
-        srcs = numba.carray(_ptr(srcs_addr, np.int64), (nsrc,))
-        acc = np.empty(BLK, np.float32)
-        tmp = np.empty(BLK, np.float32)
+        srcs = _view(srcs_addr, np.int64, nsrc)
+        acc = _view(_stack_bytes(BLK * 4), np.float32, BLK)
+        tmp = _view(_stack_bytes(BLK * 4), np.float32, BLK)
         p, q = np.float32(pre), np.float32(post)
         for start in range(0, n, BLK):
             m = min(BLK, n - start)
             for k in range(nsrc):
                 at = out_addr if k == mine else srcs[k] + offset
-                x = numba.carray(_ptr(at + start * 2, np.uint16), (m,))
+                x = _view(at + start * 2, np.uint16, m)
                 d = acc if k == 0 else tmp
                 if BF16:
                     for j in range(m):
@@ -310,7 +339,7 @@ def _build_16(bf16, sum_only):
             if post != 1:
                 for j in range(m):
                     acc[j] = acc[j] * q
-            o = numba.carray(_ptr(out_addr + start * 2, np.uint16), (m,))
+            o = _view(out_addr + start * 2, np.uint16, m)
             if BF16:
                 for j in range(m):
                     o[j] = _f2b(acc[j])
