@@ -4,6 +4,7 @@ layouts (tests/hier_cases.py). Real hosts (namespaces): test_hier_namespaces.py;
 test_hier_faults.py."""
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -213,7 +214,8 @@ def test_inter_node_p2p_future_fails_with_the_error():
 
 
 def _watchdog_after_destroy(rank, world_size, store):
-    import time
+    import gc
+    import weakref
 
     import torch
     import torch.distributed as dist
@@ -230,18 +232,64 @@ def _watchdog_after_destroy(rank, world_size, store):
     t = torch.full((8,), float(rank + 1))
     dist.all_reduce(t, group=sub)
     had = bool(watchdogs())
+    group = weakref.ref(sub._get_backend(torch.device("cpu")).group)
     dist.destroy_process_group()
     deadline = time.monotonic() + 5.0
     while watchdogs() and time.monotonic() < deadline:
         time.sleep(0.05)
-    return t.tolist(), had, bool(watchdogs()), sub is not None
+    left = bool(watchdogs())
+    held = sub is not None and group() is not None
+    del sub
+    gc.collect()
+    return t.tolist(), had, left, held, group() is None
+
+
+def _watchdog_holds_no_group(rank, world_size, store):
+    """A closed group the user lets go of is freed there and then, by the thread that drops
+    it, not later by the watchdog thread (which, exiting with the process, aborted it)."""
+    import gc
+    import weakref
+
+    import torch
+    import torch.distributed as dist
+
+    import shmcoll  # noqa: F401  (registers "shm")
+
+    with harness.patched_environ({"SHMCOLL_NODE_ID": "ab"[rank]}):
+        dist.init_process_group("shm", init_method=f"file://{store.path}/rdv", rank=rank,
+                                world_size=world_size)
+    pg = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    freed_by = []
+    group = weakref.ref(pg.group, lambda _: freed_by.append(threading.current_thread().name))
+    t = torch.full((8,), float(rank + 1))
+    for _ in range(3):  # ticks of the watchdog (100 ms) pass while the group is open
+        dist.all_reduce(t)
+        time.sleep(0.06)
+    del pg
+    dist.destroy_process_group()
+    gc.collect()
+    deadline = time.monotonic() + 5.0
+    while group() is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return freed_by
 
 
 def test_watchdog_thread_ends_when_the_groups_close():
     """Guards: the per-process hierarchical watchdog (100 ms polls) ends once every group
     it watches is closed, even while the user still holds a group's handle."""
     results = harness.run_ranks(_watchdog_after_destroy, 2, "processes", 80)
-    for values, had, left, _ in results:
+    for values, had, left, held, freed in results:
         assert values == [3.0] * 8
         assert had, "no watchdog thread while a hierarchical group was open"
         assert not left, "the watchdog thread outlived every group it watched"
+        assert held and freed, (held, freed)
+
+
+def test_watchdog_thread_holds_no_group_it_watched():
+    """Guards: the watchdog keeps no reference to a group past its tick, so a group is
+    freed by the thread that lets go of it. A reference left in the watchdog's frame kept
+    the last group alive until the thread ended, which then freed it (its gloo channels)
+    in a daemon thread while the interpreter exited: SIGABRT, "terminate called without
+    an active exception", on a one-rank node of tests/test_hier_namespaces.py."""
+    freed_by = harness.run_ranks(_watchdog_holds_no_group, 2, "processes", 80)
+    assert freed_by == [["MainThread"], ["MainThread"]], freed_by

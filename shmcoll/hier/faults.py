@@ -184,17 +184,26 @@ class Watchdog:
         while True:
             time.sleep(cls.PERIOD_S)
             with cls._lock:
-                groups = list(cls._groups)
-                if not groups:
+                if not cls._groups:
                     cls._thread = None
                     return
-            now = time.monotonic()
-            for g in groups:
-                try:
-                    g.watch(now)
-                except Exception:  # a group closing under us: nothing to report
-                    pass
-            del groups
+            cls._tick(time.monotonic())
+
+    @classmethod
+    def _tick(cls, now):
+        """One pass over the open groups. The strong references it takes end with it: a
+        reference left in the loop's frame kept the last group watched alive for as long as
+        the thread ran, and once the thread ended (its groups closed) the group was freed
+        there, in this daemon thread, possibly while the interpreter was exiting; freeing
+        its gloo channels then aborted the process ("terminate called without an active
+        exception", a rank of a one-rank node after destroy_process_group)."""
+        with cls._lock:
+            groups = list(cls._groups)
+        for g in groups:
+            try:
+                g.watch(now)
+            except Exception:  # a group closing under us: nothing to report
+                pass
 
 
 def report_after_s(timeout_s):
