@@ -265,12 +265,16 @@ def _watchdog_holds_no_group(rank, world_size, store):
     for _ in range(3):  # ticks of the watchdog (100 ms) pass while the group is open
         dist.all_reduce(t)
         time.sleep(0.06)
-    del pg
-    dist.destroy_process_group()
-    gc.collect()
-    deadline = time.monotonic() + 5.0
-    while group() is not None and time.monotonic() < deadline:
-        time.sleep(0.05)
+    gc.disable()  # no automatic collection in some other thread: only the last reference
+    try:  # dropped, or the collection below, may free the group
+        del pg
+        dist.destroy_process_group()
+        gc.collect()
+        deadline = time.monotonic() + 5.0
+        while group() is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        gc.enable()
     return freed_by
 
 
