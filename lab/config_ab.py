@@ -21,6 +21,7 @@ import statistics
 import sys
 import tempfile
 import time
+from unittest import mock
 
 from benchmarks.sizes import parse_size
 
@@ -49,17 +50,9 @@ def _rank(rank, world, store_dir, args, configs, queue):
     store = shmcoll.FileStore(os.path.join(store_dir, "store"))
     groups = []
     for k, env in enumerate(configs):
-        saved = {name: os.environ.get(name) for name in env}
-        os.environ.update(env)
-        try:
+        with mock.patch.dict(os.environ, env):
             groups.append(new_shm_group(store, rank, world, cfg=config.from_env(), name=f"c{k}",
                                         small_pages=not args.numpy))
-        finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
     rows, keep = {}, []
     for nbytes in args.sizes:
         count = max(1, nbytes // 4)

@@ -3,8 +3,10 @@ discovery, and every collective and point-to-point op at 2x2, 3x2, 3+1 and inter
 layouts (tests/hier_cases.py). Real hosts (namespaces): test_hier_namespaces.py; faults:
 test_hier_faults.py."""
 
+import gc
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -213,21 +215,24 @@ def test_inter_node_p2p_future_fails_with_the_error():
         work.wait()
 
 
-def _watchdog_after_destroy(rank, world_size, store):
-    import gc
-    import weakref
-
-    import torch
+def _two_nodes(rank, world_size, store):
+    """init_process_group("shm") with each rank a node of its own (SHMCOLL_NODE_ID)."""
     import torch.distributed as dist
 
     import shmcoll  # noqa: F401  (registers "shm")
+    with harness.patched_environ({"SHMCOLL_NODE_ID": "ab"[rank]}):
+        dist.init_process_group("shm", init_method=f"file://{store.path}/rdv", rank=rank,
+                                world_size=world_size)
+    return dist
+
+
+def _watchdog_after_destroy(rank, world_size, store):
+    import torch
 
     def watchdogs():
         return [t for t in threading.enumerate() if t.name == "shmcoll-hier-watchdog"]
 
-    with harness.patched_environ({"SHMCOLL_NODE_ID": "ab"[rank]}):
-        dist.init_process_group("shm", init_method=f"file://{store.path}/rdv", rank=rank,
-                                world_size=world_size)
+    dist = _two_nodes(rank, world_size, store)
     sub = dist.new_group([0, 1])  # the user keeps a handle past destroy_process_group
     t = torch.full((8,), float(rank + 1))
     dist.all_reduce(t, group=sub)
@@ -247,17 +252,9 @@ def _watchdog_after_destroy(rank, world_size, store):
 def _watchdog_holds_no_group(rank, world_size, store):
     """A closed group the user lets go of is freed there and then, by the thread that drops
     it, not later by the watchdog thread (which, exiting with the process, aborted it)."""
-    import gc
-    import weakref
-
     import torch
-    import torch.distributed as dist
 
-    import shmcoll  # noqa: F401  (registers "shm")
-
-    with harness.patched_environ({"SHMCOLL_NODE_ID": "ab"[rank]}):
-        dist.init_process_group("shm", init_method=f"file://{store.path}/rdv", rank=rank,
-                                world_size=world_size)
+    dist = _two_nodes(rank, world_size, store)
     pg = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
     freed_by = []
     group = weakref.ref(pg.group, lambda _: freed_by.append(threading.current_thread().name))
