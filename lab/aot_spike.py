@@ -78,7 +78,8 @@ static PyObject *one_step(PyObject *self, PyObject *const *args, Py_ssize_t n) {
 static PyObject *noop(PyObject *self, PyObject *const *args, Py_ssize_t n) {
     int64_t acc = 0;  /* the same argument conversion as one_step, no kernel */
     for (Py_ssize_t i = 0; i < n; i++)
-        acc += (i == 13 || i == 14) ? (int64_t)PyFloat_AsDouble(args[i]) : PyLong_AsLongLong(args[i]);
+        acc += (i == 13 || i == 14) ? (int64_t)PyFloat_AsDouble(args[i])
+                                    : PyLong_AsLongLong(args[i]);
     if (PyErr_Occurred()) return NULL;
     return PyLong_FromLongLong(acc & 0);
 }
@@ -109,12 +110,14 @@ def build(out_dir, cpu="x86-64-v3"):
         arrty = types.Array(types.int64, 2, "C")
 
         def codegen(context, builder, sig, args):
-            r, c = [context.cast(builder, a, t, types.intp) for a, t in zip(args[1:], sig.args[1:])]
+            r, c = [context.cast(builder, a, t, types.intp)
+                    for a, t in zip(args[1:], sig.args[1:])]
             eight = context.get_constant(types.intp, 8)
             ary = context.make_array(arrty)(context, builder)
-            context.populate_array(
-                ary, data=builder.inttoptr(args[0], context.get_data_type(types.int64).as_pointer()),
-                shape=[r, c], strides=[builder.mul(c, eight), eight], itemsize=8, meminfo=None)
+            data = builder.inttoptr(args[0], context.get_data_type(types.int64).as_pointer())
+            context.populate_array(ary, data=data, shape=[r, c],
+                                   strides=[builder.mul(c, eight), eight], itemsize=8,
+                                   meminfo=None)
             return ary._getvalue()
 
         return arrty(addr, rows, cols), codegen
@@ -142,7 +145,8 @@ def build(out_dir, cpu="x86-64-v3"):
     with open(obj, "wb") as f:
         f.write(machine.emit_object(module))
     inc = sysconfig.get_paths()["include"]
-    for name, text in (("stubs", _STUBS), ("module", _MODULE.replace("SYMBOL", one_step_c.native_name))):
+    module_c = _MODULE.replace("SYMBOL", one_step_c.native_name)
+    for name, text in (("stubs", _STUBS), ("module", module_c)):
         with open(os.path.join(out_dir, name + ".c"), "w") as f:
             f.write(text)
         subprocess.run(["cc", "-O2", "-fPIC", "-c", name + ".c", f"-I{inc}", "-o", name + ".o"],
@@ -214,7 +218,8 @@ def call_overhead(out_dir, calls=200_000):
     rows = {"numba dispatcher (12 args, 6 arrays)": lambda: nothing(1, *arrays, 1.0, 1.0, 5, 6, -1),
             "C METH_FASTCALL (18 numbers)": lambda: noop(*nums),
             "ctypes (18 numbers)": lambda: fn(*nums),
-            "C METH_FASTCALL behind the A/B's wrapper": lambda: wrapped(1, *arrays, 1.0, 1.0, 5, 6, -1)}
+            "C METH_FASTCALL behind the A/B's wrapper":
+                lambda: wrapped(1, *arrays, 1.0, 1.0, 5, 6, -1)}
     return {name: round(min(timeit.repeat(f, number=calls, repeat=7)) / calls * 1e6, 3)
             for name, f in rows.items()}
 

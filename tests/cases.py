@@ -324,8 +324,8 @@ def uneven_sizes(count, ws):
 
 def check_reduce_scatter(group, count, dtype, op, seed=0, layout="flat"):
     """layout: "flat" (one input array of ws * count), "flat_strided" (the same as a
-    strided 2-D array), "uneven" (a list of blocks of uneven_sizes()), "strided" (strided
-    output with sentinel, list of strided inputs)."""
+    strided 2-D array), "list" (a list of ws blocks of count), "uneven" (a list of blocks of
+    uneven_sizes()), "strided" (strided output with sentinel, list of strided inputs)."""
     ws, rank = group.world_size, group.rank
     sizes = uneven_sizes(count, ws) if layout == "uneven" else [count] * ws
     block = lambda r, j: make_input(dtype, sizes[j], r, seed, op, tag=j)  # noqa: E731  r -> j

@@ -194,3 +194,72 @@ def test_one_step_waits_for_its_slot_before_writing_it():
                           slot_before), "wrote the slot before it was free"
     assert g._plans and all(p.mode is not None for p in g._plans.values())
     g.close()
+
+
+def _list_forms(rank, world_size, store):
+    """all_gather into a list and reduce_scatter of a list, at sizes on both sides of
+    algorithms.LIST_GATHER_STAGED_MAX_NBYTES, rank 0's arrays strided and the others'
+    contiguous; below the limit, also a rank calling the one-array form beside ranks calling
+    the list form. Returns, per call: (values, whether the one-array path planned it)."""
+    from shmcoll import algorithms
+    limit = algorithms.LIST_GATHER_STAGED_MAX_NBYTES
+    group = harness.new_group(store, rank, world_size)
+    try:
+        rows = []
+        strided = rank == 0
+        for i, count in enumerate((3, 3333, limit // 8, limit // 8 + 1)):  # float64
+            _late(rank, world_size, i)
+            src = _array(_values(count, rank, i, np.float64), strided)
+            outs = [_array(np.full(count, -1.0), strided) for _ in range(world_size)]
+            group.all_gather(outs, src)
+            key = ("all_gather", src.dtype, src.shape)
+            rows.append(([o.tolist() for o in outs], key in group._plans))
+            ins = [_array(_values(count, rank, i, np.float64) * (j + 1), strided)
+                   for j in range(world_size)]
+            out = _array(np.full(count, -1.0), strided)
+            group.reduce_scatter(out, ins)
+            key = ("reduce_scatter", out.dtype, (world_size * count,), out.shape,
+                   ReduceOp.SUM, None, 1.0)
+            rows.append((out.tolist(), key in group._plans))
+        # the list form runs the one-array form's path below the limit: a rank calling the
+        # other form takes part in the same collective
+        src = _values(5, rank, 9, np.float64)
+        if rank == world_size - 1:
+            out = np.zeros(world_size * 5)
+            group.all_gather(out, src)
+            rows.append((np.split(out, world_size), None))
+        else:
+            outs = [np.zeros(5) for _ in range(world_size)]
+            group.all_gather(outs, src)
+            rows.append((outs, None))
+        rows[-1] = ([o.tolist() for o in rows[-1][0]], None)
+        return rows, group._scratch.nbytes
+    finally:
+        group.close()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_list_forms_ride_the_one_array_path_below_the_staging_limit(kind, world_size):
+    """Guards the list forms' staging (Group.all_gather, Group.reduce_scatter): results are
+    exact on both sides of the limit, also when one rank's outputs or inputs are strided
+    and the others' are not (the route depends on the size only: a route chosen by layout
+    would fingerprint differently across ranks and end in a mismatch); below the limit the
+    one-array path ran (its plan; reduce_scatter's takes a contiguous output) and a rank may
+    call the other form; the staging array never grows past world_size x the limit."""
+    from shmcoll import algorithms
+    limit = algorithms.LIST_GATHER_STAGED_MAX_NBYTES
+    counts = (3, 3333, limit // 8, limit // 8 + 1)
+    results = harness.run_ranks(_list_forms, world_size, kind, timeout_s=JOB_TIMEOUT_S)
+    for rank, (rows, scratch) in enumerate(results):
+        for i, count in enumerate(counts):
+            gathered, gather_planned = rows[2 * i]
+            assert gathered == [_values(count, r, i, np.float64).tolist()
+                                for r in range(world_size)], (rank, count)
+            assert gather_planned == (count * 8 <= limit), (rank, count)
+            reduced, reduce_planned = rows[2 * i + 1]
+            want = sum(_values(count, r, i, np.float64) for r in range(world_size)) * (rank + 1)
+            assert reduced == want.tolist(), (rank, count)
+            assert reduce_planned == (count * 8 <= limit and rank != 0), (rank, count)
+        assert rows[-1][0] == [_values(5, r, 9, np.float64).tolist()
+                               for r in range(world_size)], rank
+        assert 0 < scratch <= world_size * limit, (rank, scratch)

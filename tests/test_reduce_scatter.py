@@ -1,6 +1,6 @@
 """reduce_scatter: every (dtype, valid op) x counts 0, 1, 3333, larger than a slot x inputs as
-one flat array and as a list of uneven blocks, strided (sentinels), on world sizes 1-4;
-unsupported (op, dtype) raise TypeError; one real multi-MiB case."""
+one flat array, as a list of equal blocks and of uneven ones, strided (sentinels), on world
+sizes 1-4; unsupported (op, dtype) raise TypeError; one real multi-MiB case."""
 
 import functools
 
@@ -28,7 +28,7 @@ def _sweep(group, rank, world_size, seed):
     for count in COUNTS:
         for dtype in DTYPES:
             for op in valid_ops(dtype):
-                for layout in ("flat", "uneven"):
+                for layout in ("flat", "uneven", "list"):
                     cases.append(_case(group, count, dtype, op, layout, seed))
     for dtype in DTYPES:
         for layout in ("strided", "flat_strided"):

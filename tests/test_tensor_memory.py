@@ -67,6 +67,12 @@ def _calls(rank, world_size):
     dist.all_gather(outs, torch.full((3,), float(rank)))
     for r, o in enumerate(outs):
         keep(f"all_gather list [{r}]", o, torch.full((3,), float(r)))
+    ins = [torch.full((2,), float(rank + j)) for j in range(n)]
+    out = torch.zeros(2)
+    dist.reduce_scatter(out, ins)
+    keep("reduce_scatter list out", out, torch.full((2,), float(sum(r + rank for r in range(n)))))
+    for j, i in enumerate(ins):
+        keep(f"reduce_scatter list in [{j}]", i)
     lst = [torch.full((2,), rank + 1.0), torch.full((3,), rank + 2.0)]
     dist.all_reduce_coalesced(lst)
     keep("all_reduce_coalesced [0]", lst[0], torch.full((2,), total))

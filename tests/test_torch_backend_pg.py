@@ -349,3 +349,52 @@ def _errors(rank, ws):
 def test_errors_at_call_and_in_future():
     messages = harness.run_torch_ranks(_errors, 2, "shm", JOB_TIMEOUT_S)
     assert all("all_reduce" in m or "allreduce" in m for m in messages), messages
+
+
+# ------------------------------------------------- the list forms' latency path (fast.py)
+
+def _list_forms_latency_path(rank, world_size):
+    pg = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    general = []
+    submit = pg._submit
+
+    def counted(name, *args, **kwargs):
+        general.append(name)
+        return submit(name, *args, **kwargs)
+    pg._submit = counted
+    try:
+        outs = [torch.full((2, 3), -1.0) for _ in range(world_size)]
+        dist.all_gather(outs, torch.full((2, 3), float(rank)))
+        gathered = [o.tolist() for o in outs]
+        out = torch.zeros(3, dtype=torch.int64)
+        dist.reduce_scatter(out, [torch.full((3,), rank + 10 * j, dtype=torch.int64)
+                                  for j in range(world_size)])
+        reduced = out.tolist()
+        latency = list(general)
+        # what the latency path leaves to the general one: gloo's checks, async ops
+        outs[world_size - 1] = torch.zeros(2, 4)
+        try:
+            dist.all_gather(outs, torch.full((2, 3), float(rank)))
+            refused = None
+        except Exception as e:  # noqa: BLE001  (the message is what is checked)
+            refused = str(e)
+        outs = [torch.zeros(2, 3) for _ in range(world_size)]
+        dist.all_gather(outs, torch.full((2, 3), float(rank)), async_op=True).wait()
+        return gathered, reduced, latency, refused, list(general), [o.tolist() for o in outs]
+    finally:
+        pg._submit = submit
+
+
+def test_list_all_gather_and_reduce_scatter_take_the_latency_path():
+    """dist.all_gather into a list and dist.reduce_scatter of a list run inline (fast.py,
+    no Job), with exact results; a wrong output shape still gets gloo's message from the
+    general path, and an async call still goes through it."""
+    ws = 2
+    results = harness.run_torch_ranks(_list_forms_latency_path, ws, "shm", JOB_TIMEOUT_S)
+    for rank, (gathered, reduced, latency, refused, general, async_outs) in enumerate(results):
+        assert gathered == [[[float(r)] * 3] * 2 for r in range(ws)], rank
+        assert reduced == [sum(r + 10 * rank for r in range(ws))] * 3, rank
+        assert latency == [], (rank, latency)
+        assert refused is not None and "invalid tensor size at index 1" in refused, refused
+        assert general == ["allgather"], (rank, general)
+        assert async_outs == [[[float(r)] * 3] * 2 for r in range(ws)], rank

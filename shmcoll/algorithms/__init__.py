@@ -19,7 +19,8 @@ from .reduce_scatter import reduce_scatter_direct, reduce_scatter_single_copy
 from .scatter import scatter_direct
 
 __all__ = ["select", "one_step_mode", "ONE_SHOT_MAX_NBYTES", "SINGLE_COPY_MIN",
-           "SINGLE_COPY_SMALL_PAGES_MAX", "BROADCAST_STREAMED_MIN_NBYTES"]
+           "SINGLE_COPY_SMALL_PAGES_MAX", "BROADCAST_STREAMED_MIN_NBYTES",
+           "LIST_GATHER_STAGED_MAX_NBYTES"]
 
 # all_reduce one-shot vs two-shot cut-over, by world size. One-shot reads N*S per rank and
 # needs one wait per sub-chunk; two-shot reads ~2*S but needs two waits (both run as one
@@ -84,6 +85,13 @@ _SINGLE_COPY = {"all_reduce": all_reduce_single_copy, "all_gather": all_gather_s
 # (lab.ab_engine: 0.95 0.89 0.93); 64 MiB 0.95. At 256 KiB it lost 2x in every run.
 # Rank threads (not measured) keep broadcast_direct.
 BROADCAST_STREAMED_MIN_NBYTES = 8 << 20
+
+# The list forms, up to this many bytes per rank (all_gather's input, reduce_scatter's
+# output): all_gather into a list (dist.all_gather) runs the one-array path into a reused
+# staging array, then copies out; reduce_scatter from a list of equal inputs copies them
+# into it, then runs the one-array path (Group.all_gather, Group.reduce_scatter). Above,
+# the list steps of the direct algorithms (a chunk per slot, a Python copy per output).
+LIST_GATHER_STAGED_MAX_NBYTES = 256 << 10
 
 _FIXED = {
     "broadcast": broadcast_direct,

@@ -105,6 +105,7 @@ class Group:
         self._closed = False
         self.flight_record = collections.deque(maxlen=FLIGHT_RECORD_LEN)
         self._plans = {}  # per call shape of the common forms: see _plan
+        self._scratch = np.empty(0, np.uint8)  # the list forms' staging (_staging)
         # The kernel gate: None once the kernels every call needs are loaded, else
         # kernels(timeout_s) -> bool, which loads them or waits for the loader that does
         # (warmup.ensure: new_shm_group returns before its warm-up is done). Every call
@@ -410,6 +411,15 @@ class Group:
             form = 0
         else:
             ins = self._split_in("reduce_scatter", ins, out)
+            n = out.size
+            if self._arena is not None and out.nbytes <= algorithms.LIST_GATHER_STAGED_MAX_NBYTES \
+                    and all(a.size == n for a in ins):
+                # Equal blocks, staged into one array for the one-array path (one compiled
+                # call) rather than the list steps; as all_gather's list form, by size only.
+                staged = self._staging(self.world_size * out.nbytes).view(out.dtype)
+                for j, a in enumerate(ins):
+                    staged[j * n:(j + 1) * n] = a.reshape(-1)
+                return self.reduce_scatter(out, staged, op, dtype, timeout_s, premul)
             blocks = [np.ascontiguousarray(a).reshape(-1).view(dt.storage) for a in ins]
             sizes = tuple(b.size for b in blocks)
             nbytes = sum(b.nbytes for b in blocks)
@@ -484,9 +494,23 @@ class Group:
             return outs
         outs, whole = self._split_out("all_gather", outs, array)
         src = np.ascontiguousarray(array)
+        if self._arena is not None and src.nbytes <= algorithms.LIST_GATHER_STAGED_MAX_NBYTES:
+            # Gathered by the one-array path (one compiled call) into a reused staging
+            # array, then copied out: the list steps below cost a Python step per output.
+            # The choice depends on the size only, the same on every rank, and so does the
+            # fingerprint (the one-array form's).
+            n = src.size
+            staged = self._staging(self.world_size * src.nbytes).view(src.dtype)
+            self.all_gather(staged, src, timeout_s)
+            for j, o in enumerate(outs):
+                o[...] = staged[j * n:(j + 1) * n].reshape(o.shape)
+            for f in whole:
+                f.write_back()
+            return outs
         flats = [Flat(o, o.dtype, copy_in=False) for o in outs]
-        # root word 1: the list form moves its bytes in other steps than the one-array
-        # form (and never single-copy), so a rank calling the other form must mismatch
+        # root word 1: above the staging limit the list form moves its bytes in other
+        # steps than the one-array form (and never single-copy), so a rank calling the
+        # other form must mismatch
         self._run("all_gather", (dtype_code(array), src.size, 1, 0, shape_word(array)),
                   _local_all_gather if self._arena is None else self._select("all_gather", 0),
                   as_bytes(src), [as_bytes(f.flat) for f in flats], timeout_s=timeout_s,
@@ -494,6 +518,13 @@ class Group:
         for f in flats + whole:
             f.write_back()
         return outs
+
+    def _staging(self, nbytes):
+        """The first `nbytes` of this group's scratch bytes (grown when short, then kept:
+        at most world_size x algorithms.LIST_GATHER_STAGED_MAX_NBYTES)."""
+        if self._scratch.nbytes < nbytes:
+            self._scratch = np.empty(nbytes, np.uint8)
+        return self._scratch[:nbytes]
 
     def gather(self, array, outs=None, root=0, timeout_s=None):
         """Root's outs[j] receives rank j's array; non-roots pass outs=None."""
@@ -666,6 +697,7 @@ class Group:
         if self._closed:
             return
         self._closed = True
+        self._scratch = np.empty(0, np.uint8)  # a call in flight keeps its own view of it
         first = None
         if self._kernels is not None and self._arena is not None:
             # closed before its first call: let the warm-up finish first (set_state loads

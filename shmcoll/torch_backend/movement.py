@@ -11,7 +11,7 @@ from torch._C import _distributed_c10d as _c10d
 
 from . import checks
 from .convert import as_array
-from .fast import all_gather_single_inline, broadcast_inline
+from .fast import all_gather_inline, all_gather_single_inline, broadcast_inline
 from .pg_args import gloo_value, nested, set_timeout, tensor_list
 
 __all__ = ["MovementMixin"]
@@ -57,6 +57,10 @@ class MovementMixin:
     def allgather(self, output_lists, input_tensors, opts=None, timeout=None):
         """allgather(output_lists, inputs, opts) | allgather(outputs, input, timeout=None).
         gloo semantics: every output list gets rank r's input j at index r * k + j."""
+        if timeout is None:
+            work = all_gather_inline(self, output_lists, input_tensors, opts)
+            if work is not None:
+                return work
         name = "allgather"
         if isinstance(input_tensors, torch.Tensor):  # convenience overload
             output_lists, input_tensors = [list(output_lists)], [input_tensors]

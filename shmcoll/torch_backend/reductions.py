@@ -10,7 +10,7 @@ from ..native.ops import ReduceOp, dtype_of, reduce_spec
 from . import checks
 from . import sparse as _sparse
 from .convert import as_array, reduce_op
-from .fast import allreduce_inline, reduce_scatter_single_inline
+from .fast import allreduce_inline, reduce_scatter_inline, reduce_scatter_single_inline
 from .pg_args import (REDUCIBLE, allreduce_opts, as_op, coalesced_opts, is_op, rs_opts,
                       set_timeout, tensor_list)
 
@@ -147,6 +147,10 @@ class ReduceMixin:
     def reduce_scatter(self, output_tensors, input_lists, opts=None, timeout=None, op=None):
         """reduce_scatter([out], [[in_0 .. in_{n-1}]], opts) | reduce_scatter(out, [ins],
         op=SUM, timeout=None). Inputs may differ in size per destination (uneven)."""
+        if timeout is None and op is None:
+            work = reduce_scatter_inline(self, output_tensors, input_lists, opts)
+            if work is not None:
+                return work
         name = "reduce_scatter"
         if isinstance(output_tensors, torch.Tensor):  # convenience overload
             output_tensors, input_lists = [output_tensors], [list(input_lists)]
