@@ -200,7 +200,8 @@ def _list_forms(rank, world_size, store):
     """all_gather into a list and reduce_scatter of a list, at sizes on both sides of
     algorithms.LIST_GATHER_STAGED_MAX_NBYTES, rank 0's arrays strided and the others'
     contiguous; below the limit, also a rank calling the one-array form beside ranks calling
-    the list form. Returns, per call: (values, whether the one-array path planned it)."""
+    the list form. Returns [(values, whether the one-array path planned it)] per call,
+    the mixed-form call's values and the staging array's size."""
     from shmcoll import algorithms
     limit = algorithms.LIST_GATHER_STAGED_MAX_NBYTES
     group = harness.new_group(store, rank, world_size)
@@ -227,13 +228,12 @@ def _list_forms(rank, world_size, store):
         if rank == world_size - 1:
             out = np.zeros(world_size * 5)
             group.all_gather(out, src)
-            rows.append((np.split(out, world_size), None))
+            mixed = [part.tolist() for part in np.split(out, world_size)]
         else:
             outs = [np.zeros(5) for _ in range(world_size)]
             group.all_gather(outs, src)
-            rows.append((outs, None))
-        rows[-1] = ([o.tolist() for o in rows[-1][0]], None)
-        return rows, group._scratch.nbytes
+            mixed = [o.tolist() for o in outs]
+        return rows, mixed, group._scratch.nbytes
     finally:
         group.close()
 
@@ -250,7 +250,7 @@ def test_list_forms_ride_the_one_array_path_below_the_staging_limit(kind, world_
     limit = algorithms.LIST_GATHER_STAGED_MAX_NBYTES
     counts = (3, 3333, limit // 8, limit // 8 + 1)
     results = harness.run_ranks(_list_forms, world_size, kind, timeout_s=JOB_TIMEOUT_S)
-    for rank, (rows, scratch) in enumerate(results):
+    for rank, (rows, mixed, scratch) in enumerate(results):
         for i, count in enumerate(counts):
             gathered, gather_planned = rows[2 * i]
             assert gathered == [_values(count, r, i, np.float64).tolist()
@@ -260,6 +260,5 @@ def test_list_forms_ride_the_one_array_path_below_the_staging_limit(kind, world_
             want = sum(_values(count, r, i, np.float64) for r in range(world_size)) * (rank + 1)
             assert reduced == want.tolist(), (rank, count)
             assert reduce_planned == (count * 8 <= limit and rank != 0), (rank, count)
-        assert rows[-1][0] == [_values(5, r, 9, np.float64).tolist()
-                               for r in range(world_size)], rank
+        assert mixed == [_values(5, r, 9, np.float64).tolist() for r in range(world_size)], rank
         assert 0 < scratch <= world_size * limit, (rank, scratch)
