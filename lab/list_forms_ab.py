@@ -6,7 +6,7 @@ without their latency path and staging, in the same rank processes, alternating 
 
 "old" turns off what 2026-11-28's change added: fast.all_gather_inline and
 fast.reduce_scatter_inline (the adapter's general path runs instead) and the engine's staging
-(algorithms.LIST_GATHER_STAGED_MAX_NBYTES = -1: the list steps at every size). The tensor
+(algorithms.LIST_STAGED_MAX_NBYTES = -1: the list steps at every size). The tensor
 forms (all_gather_into_tensor, reduce_scatter_tensor) run beside them as the reference.
 Times are us per call, medians over blocks; every block's last result is checked.
 """
@@ -24,19 +24,18 @@ from benchmarks.sizes import parse_size
 __all__ = ["main"]
 
 
-def _variant(new, inline_ag, inline_rs):
+def _variant(new, shipped):
+    """Install the new variant (`shipped`: the limit and the two inline functions as the
+    package has them) or the old one."""
     from shmcoll import algorithms
     from shmcoll.torch_backend import movement, reductions
-    algorithms.LIST_GATHER_STAGED_MAX_NBYTES = STAGED_MAX if new else -1
+    limit, inline_ag, inline_rs = shipped
+    algorithms.LIST_STAGED_MAX_NBYTES = limit if new else -1
     movement.all_gather_inline = inline_ag if new else (lambda *a: None)
     reductions.reduce_scatter_inline = inline_rs if new else (lambda *a: None)
 
 
-STAGED_MAX = None  # the shipped limit, read in the rank
-
-
 def _rank(rank, world, store, sizes, blocks, queue):
-    global STAGED_MAX
     import torch
     import torch.distributed as dist
     warnings.simplefilter("ignore")
@@ -44,8 +43,8 @@ def _rank(rank, world, store, sizes, blocks, queue):
     dist.init_process_group("shm", init_method=f"file://{store}", rank=rank, world_size=world)
     from shmcoll import algorithms
     from shmcoll.torch_backend import movement, reductions
-    STAGED_MAX = algorithms.LIST_GATHER_STAGED_MAX_NBYTES
-    inline_ag, inline_rs = movement.all_gather_inline, reductions.reduce_scatter_inline
+    shipped = (algorithms.LIST_STAGED_MAX_NBYTES, movement.all_gather_inline,
+               reductions.reduce_scatter_inline)
     rows = {}
     for nbytes in sizes:
         n = max(1, nbytes // 4)
@@ -64,7 +63,7 @@ def _rank(rank, world, store, sizes, blocks, queue):
         for block in range(blocks):
             order = ("new", "old") if block % 2 else ("old", "new")
             for variant in order:
-                _variant(variant == "new", inline_ag, inline_rs)
+                _variant(variant == "new", shipped)
                 for name, call in calls.items():
                     if name.endswith("tensor") and variant == "old":
                         continue  # unchanged: once per block
@@ -76,7 +75,7 @@ def _rank(rank, world, store, sizes, blocks, queue):
                     key = (nbytes, name, "" if name.endswith("tensor") else variant)
                     rows.setdefault(key, []).append((time.perf_counter() - t0) / iters * 1e6)
                     _check(name, outs, out, world, n)
-        _variant(True, inline_ag, inline_rs)
+        _variant(True, shipped)
     if rank == 0:
         queue.put({k: statistics.median(v) for k, v in rows.items()})
     dist.destroy_process_group()

@@ -198,12 +198,12 @@ def test_one_step_waits_for_its_slot_before_writing_it():
 
 def _list_forms(rank, world_size, store):
     """all_gather into a list and reduce_scatter of a list, at sizes on both sides of
-    algorithms.LIST_GATHER_STAGED_MAX_NBYTES, rank 0's arrays strided and the others'
+    algorithms.LIST_STAGED_MAX_NBYTES, rank 0's arrays strided and the others'
     contiguous; below the limit, also a rank calling the one-array form beside ranks calling
     the list form. Returns [(values, whether the one-array path planned it)] per call,
     the mixed-form call's values and the staging array's size."""
     from shmcoll import algorithms
-    limit = algorithms.LIST_GATHER_STAGED_MAX_NBYTES
+    limit = algorithms.LIST_STAGED_MAX_NBYTES
     group = harness.new_group(store, rank, world_size)
     try:
         rows = []
@@ -247,7 +247,7 @@ def test_list_forms_ride_the_one_array_path_below_the_staging_limit(kind, world_
     one-array path ran (its plan; reduce_scatter's takes a contiguous output) and a rank may
     call the other form; the staging array never grows past world_size x the limit."""
     from shmcoll import algorithms
-    limit = algorithms.LIST_GATHER_STAGED_MAX_NBYTES
+    limit = algorithms.LIST_STAGED_MAX_NBYTES
     counts = (3, 3333, limit // 8, limit // 8 + 1)
     results = harness.run_ranks(_list_forms, world_size, kind, timeout_s=JOB_TIMEOUT_S)
     for rank, (rows, mixed, scratch) in enumerate(results):

@@ -20,7 +20,7 @@ from .scatter import scatter_direct
 
 __all__ = ["select", "one_step_mode", "ONE_SHOT_MAX_NBYTES", "SINGLE_COPY_MIN",
            "SINGLE_COPY_SMALL_PAGES_MAX", "BROADCAST_STREAMED_MIN_NBYTES",
-           "LIST_GATHER_STAGED_MAX_NBYTES"]
+           "LIST_STAGED_MAX_NBYTES"]
 
 # all_reduce one-shot vs two-shot cut-over, by world size. One-shot reads N*S per rank and
 # needs one wait per sub-chunk; two-shot reads ~2*S but needs two waits (both run as one
@@ -91,7 +91,7 @@ BROADCAST_STREAMED_MIN_NBYTES = 8 << 20
 # staging array, then copies out; reduce_scatter from a list of equal inputs copies them
 # into it, then runs the one-array path (Group.all_gather, Group.reduce_scatter). Above,
 # the list steps of the direct algorithms (a chunk per slot, a Python copy per output).
-LIST_GATHER_STAGED_MAX_NBYTES = 256 << 10
+LIST_STAGED_MAX_NBYTES = 256 << 10
 
 _FIXED = {
     "broadcast": broadcast_direct,

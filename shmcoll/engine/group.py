@@ -412,7 +412,7 @@ class Group:
         else:
             ins = self._split_in("reduce_scatter", ins, out)
             n = out.size
-            if self._arena is not None and out.nbytes <= algorithms.LIST_GATHER_STAGED_MAX_NBYTES \
+            if self._arena is not None and out.nbytes <= algorithms.LIST_STAGED_MAX_NBYTES \
                     and all(a.size == n for a in ins):
                 # Equal blocks, staged into one array for the one-array path (one compiled
                 # call) rather than the list steps; as all_gather's list form, by size only.
@@ -494,7 +494,7 @@ class Group:
             return outs
         outs, whole = self._split_out("all_gather", outs, array)
         src = np.ascontiguousarray(array)
-        if self._arena is not None and src.nbytes <= algorithms.LIST_GATHER_STAGED_MAX_NBYTES:
+        if self._arena is not None and src.nbytes <= algorithms.LIST_STAGED_MAX_NBYTES:
             # Gathered by the one-array path (one compiled call) into a reused staging
             # array, then copied out: the list steps below cost a Python step per output.
             # The choice depends on the size only, the same on every rank, and so does the
@@ -521,7 +521,7 @@ class Group:
 
     def _staging(self, nbytes):
         """The first `nbytes` of this group's scratch bytes (grown when short, then kept:
-        at most world_size x algorithms.LIST_GATHER_STAGED_MAX_NBYTES)."""
+        at most world_size x algorithms.LIST_STAGED_MAX_NBYTES)."""
         if self._scratch.nbytes < nbytes:
             self._scratch = np.empty(nbytes, np.uint8)
         return self._scratch[:nbytes]
