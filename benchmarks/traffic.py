@@ -19,6 +19,7 @@ nbytes / N; reduce_scatter: the input) and N the world size:
 | all_gather_single_copy | 2N S | read and write N S (peers' straight from their buffers) |
 | reduce_scatter_direct | (3 + 1/N) S | copy in (2S); read N S/N, write S/N |
 | reduce_scatter_single_copy | (3 - 1/N) S | fetch (N-1) S/N into scratch; read N S/N, write S/N |
+| all_to_all_direct | 4 S up to a slot, else 2 S | riding with the size table: copy in (2S), copy out (2S); above a slot, read and write S (peers' blocks straight from their buffers) |
 
 The ceiling is that many bytes at the single-core copy bandwidth (read + write bytes per
 second of one np.copyto of the row's size: the memcpy peer's rows when the run has them,
@@ -38,7 +39,8 @@ from benchmarks.sizes import human
 __all__ = ["MODEL", "per_rank_bytes", "bytes_per_rank", "algorithm_of", "copy_bandwidth",
            "ceiling_table"]
 
-# algorithm -> bytes read + written per rank, as a function of (S, N, sub-chunk bytes).
+# algorithm -> bytes read + written per rank, as a function of (S, N, a size the algorithm
+# works in: broadcast_streamed's sub-chunk, all_to_all_direct's slot).
 MODEL = {
     "all_reduce_one_shot": lambda s, n, sub: (n + 3) * s,
     "all_reduce_two_shot": lambda s, n, sub: (5 + 1 / n) * s,
@@ -50,7 +52,13 @@ MODEL = {
     "all_gather_single_copy": lambda s, n, sub: 2 * n * s,
     "reduce_scatter_direct": lambda s, n, sub: (3 + 1 / n) * s,
     "reduce_scatter_single_copy": lambda s, n, sub: (3 - 1 / n) * s,
+    "all_to_all_direct": lambda s, n, slot: 4 * s if _a2a_rides(s, n, slot) else 2 * s,
 }
+
+
+def _a2a_rides(s, n, slot):
+    from shmcoll.protocol import a2a_head_nbytes
+    return a2a_head_nbytes(n) + s <= slot
 
 
 def per_rank_bytes(op, nbytes, world_size):
@@ -67,6 +75,9 @@ def bytes_per_rank(algorithm, op, nbytes, world_size):
     if algorithm == "broadcast_streamed":
         from shmcoll.algorithms.broadcast import BROADCAST_SUB_NBYTES
         sub = BROADCAST_SUB_NBYTES
+    elif algorithm == "all_to_all_direct":  # the messages ride up to a slot (its docstring)
+        from shmcoll import config
+        sub = config.from_env().slot_nbytes
     return float(model(per_rank_bytes(op, nbytes, world_size), world_size, sub))
 
 

@@ -9,8 +9,9 @@ machine whose load moves).
 The base revision is exported (git archive) and imported as package `shmcoll_ab_base`
 (its torch registration skipped); this tree is `shmcoll`. Each rank makes one group per
 version (own segments and rendezvous) and runs, per op of `--ops`, Group.all_reduce,
-Group.broadcast (root 0) or Group.all_gather (into one array, all_gather_into_tensor's
-form) on float32 buffers allocated by torch (on 4 KiB pages, as dist.*'s tensors; the
+Group.broadcast (root 0), Group.all_gather (into one array, all_gather_into_tensor's
+form) or Group.all_to_all (equal pieces: views of one input and one output array, as the
+adapter's all_to_all_single passes them) on float32 buffers allocated by torch (on 4 KiB pages, as dist.*'s tensors; the
 groups are told so), verified after every block. Sizes are per rank (all_gather: the
 input). Per op and size: the median over blocks of each version's per-call time (a block:
 `--calls` calls, timed as a whole, slowest rank), their ratio (B / A below 1: this tree is
@@ -73,11 +74,15 @@ def _rank(rank, path, args, queue):
 def _op_times(op, nbytes, rank, groups, args, torch):
     """{"A": [...], "B": [...]}: per-call seconds of each block of `op` at `nbytes`."""
     buf = torch.empty(nbytes // 4).numpy()
-    outs = torch.empty(2 * buf.size).numpy() if op == "all_gather" else None
+    outs = torch.empty(2 * buf.size).numpy() if op == "all_gather" else \
+        torch.empty(buf.size).numpy() if op == "all_to_all" else None
+    half = buf.size // 2
 
     def fill():
         buf[:] = 1.0 if op == "all_reduce" else (rank + 1 if op == "all_gather" else
                                                   (3.0 if rank == 0 else 0.0))
+        if op == "all_to_all":  # rank r's piece for rank j: 10 r + j
+            buf[:half], buf[half:] = 10.0 * rank, 10.0 * rank + 1
         if outs is not None:
             outs[:] = -1.0
 
@@ -86,16 +91,20 @@ def _op_times(op, nbytes, rank, groups, args, torch):
             g.all_reduce(buf)
         elif op == "broadcast":
             g.broadcast(buf, 0)
-        else:
+        elif op == "all_gather":
             g.all_gather(outs, buf)
+        else:
+            g.all_to_all([outs[:half], outs[half:]], [buf[:half], buf[half:]])
 
     def check(name):
         if op == "all_reduce":
             ok = buf[0] == 2.0 ** args.calls and buf[-1] == buf[0]
         elif op == "broadcast":
             ok = bool((buf == 3.0).all())
-        else:
+        elif op == "all_gather":
             ok = bool((outs[:buf.size] == 1.0).all() and (outs[buf.size:] == 2.0).all())
+        else:
+            ok = bool((outs[:half] == rank).all() and (outs[half:] == 10.0 + rank).all())
         if not ok:
             raise AssertionError(f"{name} {op} {nbytes} B: wrong result")
 
@@ -122,14 +131,14 @@ def main(argv=None):
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--base", required=True, help="git revision (version A)")
     ap.add_argument("--ops", default="all_reduce",
-                    help="comma list of all_reduce, broadcast, all_gather")
+                    help="comma list of all_reduce, broadcast, all_gather, all_to_all")
     ap.add_argument("--sizes", default="8,1M,16M")
     ap.add_argument("--blocks", type=int, default=30, help="blocks per version and size")
     ap.add_argument("--calls", type=int, default=10, help="calls per block")
     args = ap.parse_args(argv)
     args.sizes = [_parse_size(s) for s in args.sizes.split(",")]
     args.ops = [o.strip() for o in args.ops.split(",") if o.strip()]
-    bad = set(args.ops) - {"all_reduce", "broadcast", "all_gather"}
+    bad = set(args.ops) - {"all_reduce", "broadcast", "all_gather", "all_to_all"}
     if bad:
         ap.error(f"unknown ops {sorted(bad)}")
     import torch.multiprocessing as mp

@@ -1,6 +1,11 @@
 """all_to_all: every dtype x counts 0, 1, 3333, larger than a slot, with uneven (and some
 empty) pieces per pair, strided outputs (sentinels), on world sizes 1-4; mismatched sizes
-raise ValueError on every rank and leave the group usable; one multi-MiB case."""
+raise ValueError on every rank and leave the group usable; one multi-MiB case.
+
+Each transport of all_to_all_direct is covered: messages riding with the size table (small
+counts), read from the peers' buffers (single copy: counts whose messages outgrow the
+64 KiB slot), a mix of both in one call (one rank's messages ride, another's do not), and,
+with single copy off, the chunked slot steps."""
 
 import functools
 
@@ -8,8 +13,10 @@ import numpy as np
 import pytest
 
 import harness
-from cases import (assert_rank_results, case_name, check_all_to_all, COUNTS, DTYPES, group_cases,
-                   SMALL_SLOT_ENV)
+from cases import (assert_rank_results, assert_bits_equal, case_name, check_all_to_all, COUNTS,
+                   DTYPES, group_cases, make_input, Placed, SMALL_SLOT_BYTES, SMALL_SLOT_ENV,
+                   storage)
+from shmcoll.protocol import ONE_STEP_ALL_TO_ALL, a2a_head_nbytes
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
@@ -36,6 +43,19 @@ def _size_mismatch(group, seed):
     return check_all_to_all(group, 3, "int32", seed)  # still usable, still in step
 
 
+def _mixed(group, seed, big):
+    """Rank 0 sends `big` elements to every rank (more than its slot carries), every other
+    rank 5: in one call some messages ride with the table and some do not."""
+    ws, rank = group.world_size, group.rank
+    n = lambda s: big if s == 0 else 5  # noqa: E731
+    ins = [np.arange(n(rank), dtype=np.int64) * ws + rank * 1000 + d for d in range(ws)]
+    outs = [np.full(n(s), -1, np.int64) for s in range(ws)]
+    group.all_to_all(outs, ins)
+    for s, o in enumerate(outs):
+        np.testing.assert_array_equal(o, np.arange(n(s), dtype=np.int64) * ws + s * 1000 + rank)
+    return None
+
+
 @group_cases
 def _sweep(group, rank, world_size, seed):
     cases = []
@@ -47,6 +67,8 @@ def _sweep(group, rank, world_size, seed):
     if world_size > 1:
         cases.append(("all_to_all(size mismatch)",
                       functools.partial(_size_mismatch, group, seed)))
+        cases.append(("all_to_all(some ride, some do not)",
+                      functools.partial(_mixed, group, seed, 20000)))
     return cases
 
 
@@ -54,6 +76,91 @@ def _sweep(group, rank, world_size, seed):
 def test_all_to_all(kind, world_size, seed):
     results = harness.run_ranks(_sweep, world_size, kind, timeout_s=JOB_TIMEOUT_S, args=(seed,),
                                 env=SMALL_SLOT_ENV)
+    assert_rank_results(results)
+
+
+def _single(group, count, dtype, seed, layout):
+    """all_to_all_single of `count` elements per block: rank r's block j is piece (r, j);
+    with layout "strided" the output is strided (the general path, staged)."""
+    ws, rank = group.world_size, group.rank
+    piece = lambda s, d: make_input(dtype, count, s, seed, tag=d)  # noqa: E731
+    src = np.concatenate([piece(rank, d) for d in range(ws)])
+    out = Placed(np.zeros(ws * count, storage(dtype)), layout)
+    group.all_to_all_single(out.array, src)
+    assert_bits_equal(out.values(), np.concatenate([piece(s, rank) for s in range(ws)]), dtype,
+                      "all_to_all_single")
+    out.check_sentinel("all_to_all_single")
+    plan = group._plans.get(("all_to_all", src.dtype, src.size))
+    # a strided output takes the list form, which stages equal pieces that ride into the
+    # one-array form: the one-step plan then too
+    rides = ws > 1 and a2a_head_nbytes(ws) + src.nbytes <= SMALL_SLOT_BYTES
+    assert (plan is not None and plan.mode == ONE_STEP_ALL_TO_ALL) == rides, \
+        f"one-step plan {plan and plan.mode}, expected riding {rides}"
+    return None
+
+
+def _single_beside_lists(group, seed):
+    """all_to_all_single on rank 0, the list form on the others, with uneven messages
+    among ranks 1.. (rank 0's are equal blocks of 4): the one-step kernel sees tables
+    unlike its own and leaves the rest to the general path, whose result must match."""
+    ws, rank = group.world_size, group.rank
+    n = [[4 if 0 in (s, d) else 3 + s + 2 * d for d in range(ws)] for s in range(ws)]
+    value = lambda s, d: np.arange(n[s][d], dtype=np.int64) + 1000 * s + 100 * d  # noqa: E731
+    for _ in range(2):  # the second call finds rank 0's plan cached
+        if rank == 0:
+            out = np.full(4 * ws, -1, np.int64)
+            group.all_to_all_single(out, np.concatenate([value(0, d) for d in range(ws)]))
+            outs = np.split(out, ws)
+        else:
+            outs = [np.full(n[s][rank], -1, np.int64) for s in range(ws)]
+            group.all_to_all(outs, [value(rank, d) for d in range(ws)])
+        for s in range(ws):
+            np.testing.assert_array_equal(outs[s], value(s, rank))
+    return None
+
+
+def _single_bad_size(group, seed):
+    """A size that does not divide by the world size raises ValueError on every rank (all
+    pass it) before anything moves; the group stays usable."""
+    ws = group.world_size
+    a = np.zeros(ws + 1, np.float32)
+    with pytest.raises(ValueError, match="equal blocks"):
+        group.all_to_all_single(a.copy(), a)
+    return _single(group, 5, "float32", seed, "contig")
+
+
+@group_cases
+def _single_sweep(group, rank, world_size, seed):
+    cases = []
+    for count in (0, 1, 3333, 70001):
+        for dtype in ("float32", "complex128", "bfloat16"):
+            cases.append((case_name("all_to_all_single", count=count, dtype=dtype),
+                          functools.partial(_single, group, count, dtype, seed, "contig")))
+    cases.append(("all_to_all_single(strided output)",
+                  functools.partial(_single, group, 333, "float64", seed, "strided")))
+    if world_size > 1:
+        cases.append(("all_to_all_single beside uneven lists",
+                      functools.partial(_single_beside_lists, group, seed)))
+        cases.append(("all_to_all_single(bad size)",
+                      functools.partial(_single_bad_size, group, seed)))
+    return cases
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_all_to_all_single(kind, world_size, seed):
+    """The one-array form: the one-step call where the blocks ride with the size table
+    (asserted through the group's plan), the general path where they do not or the
+    output is strided, and a rank calling it beside peers that pass uneven lists."""
+    results = harness.run_ranks(_single_sweep, world_size, kind, timeout_s=JOB_TIMEOUT_S,
+                                args=(seed,), env=SMALL_SLOT_ENV)
+    assert_rank_results(results)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_all_to_all_without_single_copy(kind, world_size, seed):
+    """SHMCOLL_SINGLE_COPY=off: what does not ride with the table goes in chunks of a slot."""
+    results = harness.run_ranks(_sweep, world_size, kind, timeout_s=JOB_TIMEOUT_S, args=(seed,),
+                                env=dict(SMALL_SLOT_ENV, SHMCOLL_SINGLE_COPY="off"))
     assert_rank_results(results)
 
 

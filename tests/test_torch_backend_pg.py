@@ -404,3 +404,62 @@ def test_list_all_gather_and_reduce_scatter_take_the_latency_path():
         assert refused is not None and "invalid tensor size at index 1" in refused, refused
         assert general == before + ["allgather"], (rank, general)
         assert async_outs == [[[float(r)] * 3] * 2 for r in range(ws)], rank
+
+
+# ------------------------------------------------- all_to_all: latency path, mixed forms
+
+def _all_to_all_forms(rank, world_size):
+    """Rounds of all_to_all in which the ranks pass different forms of one exchange:
+    all_to_all_single without splits (the latency path), with explicit splits (equal or
+    uneven), and the list form; rank r sends rank d (d - r) mod ws + 1 rows of 2 floats,
+    except that rank 0 sends and receives 2 rows everywhere (so it may omit its splits)."""
+    from shmcoll.torch_backend.compat import OPTIONS_HAVE_ASYNC_OP
+    pg = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    general = []
+    submit = pg._submit
+
+    def counted(name, *args, **kwargs):
+        general.append(name)
+        return submit(name, *args, **kwargs)
+    pg._submit = counted
+    ws = world_size
+    rows = [[2 if 0 in (s, d) else (d - s) % ws + 1 for d in range(ws)] for s in range(ws)]
+
+    def piece(s, d):
+        return torch.arange(rows[s][d] * 2, dtype=torch.float32).view(-1, 2) + 100 * s + 10 * d
+
+    try:
+        results = []
+        for form in ("single", "splits", "list"):
+            src = torch.cat([piece(rank, d) for d in range(ws)])
+            want = torch.cat([piece(s, rank) for s in range(ws)])
+            out = torch.full_like(want, -1.0)
+            before = len(general)
+            if rank == 0 and form == "single":
+                call = "single"  # equal blocks, no splits
+                dist.all_to_all_single(out, src)
+            elif form == "list" or rank == 1:
+                call = "list"
+                outs = list(torch.split(out, [rows[s][rank] for s in range(ws)]))
+                dist.all_to_all(outs, list(torch.split(src, rows[rank])))
+            else:
+                call = "splits"
+                dist.all_to_all_single(out, src, [rows[s][rank] for s in range(ws)], rows[rank])
+            results.append((call, torch.equal(out, want), len(general) - before))
+        return results, OPTIONS_HAVE_ASYNC_OP
+    finally:
+        pg._submit = submit
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_all_to_all_forms_mix_and_take_the_latency_path(world_size):
+    """The forms of all_to_all agree with each other whatever each rank passes (the
+    one-array form beside uneven lists finishes on the general path of the engine), and
+    all_to_all_single without splits and the list form of one dtype run inline (no Job)
+    where the torch can say "synchronous"; with explicit splits they take the general
+    path."""
+    results = harness.run_torch_ranks(_all_to_all_forms, world_size, "shm", JOB_TIMEOUT_S)
+    for rank, (rounds, inline) in enumerate(results):
+        for call, right, jobs in rounds:
+            assert right, (rank, call)
+            assert jobs == (1 if call == "splits" or not inline else 0), (rank, call, jobs)

@@ -27,8 +27,8 @@ import numpy as np
 from .. import algorithms
 from ..native import compiled
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError, ShmcollError
-from .group_args import BYTES, all_to_all_args, as_bytes, check_arrays, dtype_code, Flat, \
-    shape_word
+from .group_args import BYTES, all_to_all_args, as_bytes, check_all_to_all_single, \
+    check_arrays, dtype_code, Flat, shape_word
 from ..native.ops import DTYPE_BY_CODE, ReduceOp, dtype_of, reduce_spec
 
 __all__ = ["Group", "COLLECTIVES"]
@@ -207,19 +207,22 @@ class Group:
             self._usable(name)
         return self._run(name, fp, algo, *args, timeout_s=timeout_s, nbytes=nbytes)
 
-    def _run_one_step(self, name, plan, src, out, root, timeout_s):
+    def _run_one_step(self, name, plan, src, out, root, timeout_s, finish=None):
         """_run for a collective the Arena runs as one compiled call, framing included
         (plan.mode is not None: Arena.one_step); `out` None and `root` -1 unless the
-        collective has them."""
+        collective has them. `finish(arena, slot)`: the rest of the collective where the
+        kernel leaves it to Python (ONE_STEP_ALL_TO_ALL)."""
         self._seq += 1
         seq = self._seq
         entry = {"seq": seq, "op": name, "nbytes": plan.nbytes, "state": "started",
                  "t_start": time.time(), "t_end": None}
         self.flight_record.append(entry)
         try:
-            self._arena.one_step(seq, name, plan.mode, plan.words, plan.pre, plan.post, src,
-                                 out, root, self.timeout_s if timeout_s is None
-                                 else float(timeout_s))
+            i = self._arena.one_step(seq, name, plan.mode, plan.words, plan.pre, plan.post,
+                                     src, out, root, self.timeout_s if timeout_s is None
+                                     else float(timeout_s))
+            if i is not None:
+                finish(self._arena, i)
         except BaseException as e:
             self._failed(entry, seq, e)
             raise
@@ -558,6 +561,24 @@ class Group:
         """outs[j] receives rank j's ins[rank]; sizes may differ per pair (must agree)."""
         self._usable("all_to_all")
         src, flats = all_to_all_args(self.world_size, outs, ins)
+        n = self.world_size
+        if self._arena is not None:
+            size = src[0].size
+            if all(a.size == size for a in src) and all(f.flat.nbytes == size for f in flats) \
+                    and algorithms.rides(self._arena, n * size):
+                # Equal pieces that ride with the size table: staged through a reused array
+                # into the one-array form (one compiled call), then copied out; the same
+                # collective, whatever form or sizes the peers pass.
+                staged = self._staging(2 * n * size)
+                pieces_in, pieces_out = staged[:n * size], staged[n * size:]
+                for j, a in enumerate(src):
+                    pieces_in[j * size:(j + 1) * size] = a
+                dt = flats[0].flat.dtype
+                self.all_to_all_single(pieces_out.view(dt), pieces_in.view(dt), timeout_s)
+                for j, f in enumerate(flats):
+                    as_bytes(f.flat)[:] = pieces_out[j * size:(j + 1) * size]
+                    f.write_back()
+                return outs
         self._run("all_to_all", (dtype_code(outs[0]) if outs else 0, 0, 0, 0),
                   _local_all_to_all if self._arena is None else self._select("all_to_all", 0),
                   src, [as_bytes(f.flat) for f in flats], timeout_s=timeout_s,
@@ -565,6 +586,36 @@ class Group:
         for f in flats:
             f.write_back()
         return outs
+
+    def all_to_all_single(self, out, array, timeout_s=None):
+        """Block j of `out` receives block `rank` of rank j's `array` (both hold world_size
+        equal blocks, in element order). The same collective as all_to_all with those
+        blocks as lists (a rank may call either form): where the blocks ride with its
+        size table, it is one compiled call (Arena.one_step)."""
+        if self._poison is not None or self._closed or self._kernels is not None:
+            self._usable("all_to_all")
+        n = self.world_size
+        check_all_to_all_single(n, out, array)
+        if self._arena is not None and array.flags.c_contiguous and out.flags.c_contiguous \
+                and out.flags.writeable:
+            key = ("all_to_all", array.dtype, array.size)
+            plan = self._plans.get(key)
+            if plan is None:
+                plan = self._plan(key, "all_to_all", (dtype_code(array), 0, 0, 0, 0),
+                                  self._select("all_to_all", array.nbytes), array.nbytes,
+                                  BYTES)
+            if plan.mode is not None:
+                src, dst = as_bytes(array), as_bytes(out)
+                self._run_one_step(
+                    "all_to_all", plan, src, dst, -1, timeout_s,
+                    lambda arena, i: algorithms.all_to_all_finish(arena, i, np.split(src, n),
+                                                                  np.split(dst, n)))
+                return out
+        f = Flat(out, out.dtype, copy_in=False)
+        self.all_to_all(np.split(f.flat, n), np.split(np.ascontiguousarray(array).reshape(-1), n),
+                        timeout_s)
+        f.write_back()
+        return out
 
     # -- list helpers ----------------------------------------------------------------------
 

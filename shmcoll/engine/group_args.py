@@ -62,6 +62,17 @@ def dtype_code(array):
         return 0
 
 
+def check_all_to_all_single(world_size, out, array):
+    """all_to_all_single's argument check (the engine's and the hierarchical group's): one
+    dtype, world_size equal blocks in each array."""
+    if type(array) is not np.ndarray or type(out) is not np.ndarray:
+        check_arrays("all_to_all", [out, array])
+    if array.size % world_size or out.size != array.size or out.dtype != array.dtype:
+        raise ValueError(f"all_to_all: input and output must hold {world_size} equal blocks "
+                         f"of one dtype (input {array.dtype} x {array.size}, output "
+                         f"{out.dtype} x {out.size})")
+
+
 def all_to_all_args(world_size, outs, ins):
     """all_to_all's checked arguments (the engine's and the hierarchical group's): the
     inputs as contiguous bytes, and a Flat of every output (write_back() after the call)."""

@@ -6,8 +6,8 @@ rank, consumes no sequence number and leaves the group usable."""
 import numpy as np
 
 from ..engine.group import Group
-from ..engine.group_args import (Flat, all_to_all_args, as_bytes, check_arrays, dtype_code,
-                                 shape_word)
+from ..engine.group_args import (Flat, all_to_all_args, as_bytes, check_all_to_all_single,
+                                 check_arrays, dtype_code, shape_word)
 from ..native.ops import ReduceOp, dtype_of, reduce_spec
 from . import move, reduce
 
@@ -151,6 +151,17 @@ class Collectives:
         for f in flats:
             f.write_back()
         return outs
+
+    def all_to_all_single(self, out, array, timeout_s=None):
+        """Block j of `out` receives block `rank` of rank j's `array` (world_size equal
+        blocks each): all_to_all of those blocks."""
+        n = self.world_size
+        check_all_to_all_single(n, out, array)
+        f = Flat(out, out.dtype, copy_in=False)
+        self.all_to_all(np.split(f.flat, n), np.split(np.ascontiguousarray(array).reshape(-1), n),
+                        timeout_s)
+        f.write_back()
+        return out
 
     # point-to-point goes through the torch backend's world channel (hier_pg.py)
     def isend(self, *args, **kw):

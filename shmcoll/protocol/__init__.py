@@ -121,11 +121,15 @@ from .layout import (  # noqa: F401  (re-exported: shm.py, p2p.py, threaded_pg, 
     _SINGLE_COPY,
     _STREAM,
     _TWO_SHOT,
+    A2A_TABLE_WORDS,
     GIL_LEAVE_NS,
+    ONE_STEP_ALL_TO_ALL,
     ONE_STEP_BROADCAST,
     ONE_STEP_GATHER,
+    ONE_STEP_NOT_CONSUMED,
     ONE_STEP_REDUCE,
     ONE_STEP_REDUCE_SCATTER,
+    a2a_head_nbytes,
     STREAM_BROADCAST,
     STREAM_GATHER,
     STREAM_REDUCE,
@@ -182,6 +186,9 @@ __all__ = [
     "ONE_STEP_BROADCAST",
     "ONE_STEP_GATHER",
     "ONE_STEP_REDUCE_SCATTER",
+    "ONE_STEP_ALL_TO_ALL",
+    "A2A_TABLE_WORDS",
+    "a2a_head_nbytes",
 ]
 
 _NO_FP = [0] * FP_WORDS
@@ -475,12 +482,18 @@ class Arena:
         ONE_STEP_REDUCE_SCATTER: reduce_scatter_direct of one input array (world_size equal
             blocks) that fits a slot; `out` (the bytes of my output, one block) becomes the
             reduction in rank order of block[rank] of every rank's `src` (bytes too).
+        ONE_STEP_ALL_TO_ALL: step 1 of all_to_all_direct where my messages are equal blocks
+            of `src` that ride with the table; when every rank's table is the same as mine,
+            block[rank] of rank j's messages lands at out[j * block:]. Otherwise the work
+            after the wait is the caller's: one_step returns slot i, as the general path
+            left it after step 1 (algorithms.all_to_all_finish).
 
         `plan`: int64 [collective code, dtype code, count, root, op, shape word, kernel op,
         reducer] (fingerprint words 2-7, then the reduction: ops.ReduceSpec's op and fn);
         pre/post as in ops.ReduceSpec. `src` and `out` are uint8 arrays.
         Anything but a clean pass (a late peer, a mismatch, an abort) is finished by the same
         Python as the general path (_finish_wait), which owns the slow tiers and errors.
+        Returns None when the collective is done, else the slot of its step 1 (above).
 
         The kernel frames the collective itself (its seq and fingerprint go straight to
         shared memory), so the Frame is opened only where Python takes over: a slot to
@@ -501,15 +514,21 @@ class Arena:
         pk = compiled.protocol_kernels
         r = pk._one_step_kernel(mode, src, out, self._cfg, self._peer_tab, srcs, plan, pre,
                                 post, seq, step, root)
-        clock.one_step(i, step, publishes, r == -1)
+        clean = r == -1 or r == ONE_STEP_NOT_CONSUMED
+        clock.one_step(i, step, publishes, clean)
         if r == -1:
-            return
+            return None
         # The kernel posted (with the fingerprint) but did not finish: the general path's
         # state for this collective, as begin() would have left it, then its slow wait.
         self.frame.reopen(seq, op_name, timeout_s, deadline,
                           [seq, step - 1, *plan[:FP_WORDS - 2].tolist()], step - 1, i)
+        if clean:
+            self._finish_wait(step, -1, True)
+            return i
         self._finish_wait(step, r, True)
-        pk._one_step_consume(mode, src, out, srcs, self.rank, root, plan[7], plan[6], pre, post)
+        r = pk._one_step_consume(mode, src, out, srcs, self.rank, root, plan[7], plan[6], pre,
+                                 post)
+        return None if r == -1 else i
 
     def exchange_gather(self, i, inp, out, sub_nbytes):
         """out[j * inp.size: (j + 1) * inp.size] = rank j's `inp`, for every rank j (uint8

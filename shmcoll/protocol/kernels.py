@@ -47,8 +47,11 @@ from .layout import (  # noqa: F401  (the steps' numbers; also read here by test
     GIL_LEAVE_NS,
     LINE_NBYTES,
     LINE_WORDS,
+    A2A_TABLE_WORDS,
+    ONE_STEP_ALL_TO_ALL,
     ONE_STEP_BROADCAST,
     ONE_STEP_GATHER,
+    ONE_STEP_NOT_CONSUMED,
     ONE_STEP_REDUCE,
     ONE_STEP_REDUCE_SCATTER,
     STATE_ABORTED,
@@ -185,15 +188,31 @@ def _one_step_kernel(mode, src, out, cfg, peer_tab, srcs, plan, pre, post, seq, 
     _gil_enter(cfg[_CFG_GIL], cfg[_CFG_GIL_ME])
     k = seq % FP_RING
     nbytes = src.nbytes if root < 0 or root == rank else 0
-    r = _exchange_steps(src, _ZERO, nbytes, srcs[rank], cfg[_CFG_FP0] + k * LINE_NBYTES,
+    dst = srcs[rank]
+    if mode == ONE_STEP_ALL_TO_ALL:
+        dst += _write_a2a_table(dst, srcs.shape[0], nbytes)
+    r = _exchange_steps(src, _ZERO, nbytes, dst, cfg[_CFG_FP0] + k * LINE_NBYTES,
                         seq, step - 1, plan[0], plan[1], plan[2], plan[3], plan[4], plan[5],
                         cfg[_CFG_SEQ], seq, cfg[_CFG_POSTED], step, peer_tab[_PEER_POSTED],
                         peer_tab[_PEER_FP0 + k], peer_tab[_PEER_STATE], spins,
                         cfg[_CFG_YIELD_NS], cfg[_CFG_STATE], cfg[_CFG_VERIFY] != 0)
     if r == -1:
-        _one_step_consume(mode, src, out, srcs, rank, root, plan[7], plan[6], pre, post)
+        r = _one_step_consume(mode, src, out, srcs, rank, root, plan[7], plan[6], pre, post)
     _gil_leave(cfg[_CFG_GIL], cfg[_CFG_GIL_ME], r, spins)
     return r
+
+
+@jit.kernel(nogil=True)
+def _write_a2a_table(slot, world, nbytes):
+    """ONE_STEP_ALL_TO_ALL's table in my slot at `slot`: equal messages of nbytes / world
+    to every rank and from every rank, none by address (they ride); returns where the
+    messages go (algorithms/all_to_all.py's layout)."""
+    block = nbytes // world
+    for w in range(2 * world):
+        store_release(slot + 8 * w, block)
+    for w in range(2 * world, A2A_TABLE_WORDS * world):
+        store_release(slot + 8 * w, _ZERO)
+    return (A2A_TABLE_WORDS * world * 8 + LINE_NBYTES - 1) // LINE_NBYTES * LINE_NBYTES
 
 
 @jit.kernel(nogil=True)
@@ -201,9 +220,23 @@ def _one_step_consume(mode, src, out, srcs, rank, root, fn, op, pre, post):
     """The work after Arena.one_step's wait, per mode (every rank's copy is in its slot
     of `srcs`, at offset 0; `fn` reduces). The same work as _consume's for one sub-chunk,
     written out: calling _consume would compile it into the one-step kernel (~0.15 s more
-    for a cold first collective)."""
+    for a cold first collective). Returns -1, or ONE_STEP_NOT_CONSUMED where it left the
+    work to Python (ONE_STEP_ALL_TO_ALL, a peer's table not the same as mine)."""
     nbytes = src.nbytes
-    if mode == ONE_STEP_REDUCE:
+    if mode == ONE_STEP_ALL_TO_ALL:  # rank j's block `rank`, after its table, to out[j]
+        world = srcs.shape[0]
+        mine = srcs[rank]
+        for j in range(world):
+            if j != rank:
+                for w in range(A2A_TABLE_WORDS * world):
+                    if load_acquire(srcs[j] + 8 * w) != load_acquire(mine + 8 * w):
+                        return ONE_STEP_NOT_CONSUMED
+        block = nbytes // world
+        head = (A2A_TABLE_WORDS * world * 8 + LINE_NBYTES - 1) // LINE_NBYTES * LINE_NBYTES
+        for j in range(world):
+            copy_bytes(out.ctypes.data + j * block, src.ctypes.data + rank * block if j == rank
+                       else srcs[j] + head + rank * block, block)
+    elif mode == ONE_STEP_REDUCE:
         if nbytes > 0:  # my own contribution from src: see _consume
             call_reduce(fn, src.ctypes.data, srcs.ctypes.data, srcs.shape[0], 0, rank, nbytes,
                         op, pre, post)
@@ -217,6 +250,7 @@ def _one_step_consume(mode, src, out, srcs, rank, root, fn, op, pre, post):
                         -1, out.nbytes, op, pre, post)
     elif rank != root:
         copy_bytes(src.ctypes.data, srcs[root], nbytes)
+    return -1
 
 
 @jit.kernel(nogil=True)

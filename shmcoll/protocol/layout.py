@@ -47,7 +47,23 @@ STREAM_RING = 2
 STREAM_REDUCE, STREAM_GATHER, STREAM_BROADCAST = 0, 1, 2  # what Arena._stream does with
 # each sub-chunk (STREAM_BROADCAST: only the root copies in; the others copy the root's out)
 # what Arena.one_step does after its wait (algorithms.one_step_mode picks one)
-ONE_STEP_REDUCE, ONE_STEP_BROADCAST, ONE_STEP_GATHER, ONE_STEP_REDUCE_SCATTER = range(4)
+ONE_STEP_REDUCE, ONE_STEP_BROADCAST, ONE_STEP_GATHER, ONE_STEP_REDUCE_SCATTER, \
+    ONE_STEP_ALL_TO_ALL = range(5)
+# What the one-step kernel returns when its wait was clean but it left the work after it
+# to Python (ONE_STEP_ALL_TO_ALL: a peer's size table is not the same as mine); none of
+# _exchange_steps' codes (-1 clean, -2 aborted, -3 mismatch, -4 aborted peer, >= 0 late).
+ONE_STEP_NOT_CONSUMED = -9
+# all_to_all's size table at the start of every rank's slot (algorithms/all_to_all.py and
+# the one-step kernel): A2A_TABLE_WORDS int64 per rank of the group (send sizes, receive
+# sizes, send addresses), then, from the next line on, the messages that ride with it.
+A2A_TABLE_WORDS = 3
+
+
+def a2a_head_nbytes(world):
+    """Where all_to_all's messages start in a slot: after the table, a line on."""
+    return (A2A_TABLE_WORDS * world * 8 + LINE_NBYTES - 1) // LINE_NBYTES * LINE_NBYTES
+
+
 # Words of Arena._cfg (the one-step kernel's constants) and rows of Arena._peer_tab.
 (_CFG_RANK, _CFG_SPINS, _CFG_YIELD_NS, _CFG_POSTED, _CFG_STATE, _CFG_SEQ, _CFG_GIL,
  _CFG_GIL_ME, _CFG_VERIFY, _CFG_FP0) = range(10)

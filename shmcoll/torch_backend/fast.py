@@ -2,7 +2,8 @@
 the engine (`dist.all_reduce(t)`: 6-9 us of adapter Python in a rank process, measured
 2026-11-28 with the kernel stubbed, instead of the general path's Job and closure). It
 takes all_reduce, broadcast, the single-tensor gathers and reduce_scatters, and their list
-forms of one input (`dist.all_gather(outs, t)`, `dist.reduce_scatter(out, ins)`).
+forms of one input (`dist.all_gather(outs, t)`, `dist.reduce_scatter(out, ins)`), and
+all_to_all_single without split sizes and all_to_all of one dtype.
 
 torch's front end calls `pg.allreduce([t], opts)` with `opts.asyncOp = False` and waits on
 the Work at once. The general path (process_group.py) validates with gloo's wording, builds
@@ -26,12 +27,14 @@ from .compat import OPTIONS_HAVE_ASYNC_OP
 from .convert import plain_array
 
 __all__ = ["allreduce_inline", "broadcast_inline", "all_gather_single_inline",
-           "all_gather_inline", "reduce_scatter_single_inline", "reduce_scatter_inline"]
+           "all_gather_inline", "reduce_scatter_single_inline", "reduce_scatter_inline",
+           "all_to_all_single_inline", "all_to_all_inline"]
 
 _OPTIONS = dist.AllreduceOptions
 _BCAST_OPTIONS = dist.BroadcastOptions
 _GATHER_OPTIONS = _c10d.AllgatherOptions
 _RS_OPTIONS = dist.ReduceScatterOptions
+_A2A_OPTIONS = dist.AllToAllOptions
 _STRIDED = torch.strided
 _ZERO = datetime.timedelta(0)
 
@@ -114,6 +117,35 @@ def all_gather_single_inline(pg, output, input, opts):
             or output.numel() != input.numel() * pg.group.world_size:
         return None
     return _run(pg, pg.group.all_gather, _array(output), _array(input), _timeout_s(pg, opts))
+
+
+def all_to_all_single_inline(pg, output, input, output_split_sizes, input_split_sizes, opts):
+    """pg.alltoall_base(out, in, [], [], opts) of dist.all_to_all_single(out, in), or None:
+    no split sizes, both tensors of one dtype and size, which divides by the group size
+    along dim 0 (gloo's checks, which the general path words)."""
+    if type(opts) is not _A2A_OPTIONS or output_split_sizes or input_split_sizes \
+            or not _ready(pg, opts) or not _bytes_plain(output) or not _bytes_plain(input) \
+            or output.dtype is not input.dtype or output.numel() != input.numel() \
+            or not input.dim() or input.shape[0] % pg.group.world_size:
+        return None
+    return _run(pg, pg.group.all_to_all_single, _array(output), _array(input),
+                _timeout_s(pg, opts))
+
+
+def all_to_all_inline(pg, outputs, inputs, opts):
+    """pg.alltoall(outs, ins, opts) of dist.all_to_all(outs, ins), or None: world_size
+    tensors each, all of one dtype (sizes may differ per pair, as in the general path: the
+    engine checks them against the peers')."""
+    n = pg.group.world_size
+    if type(opts) is not _A2A_OPTIONS or type(inputs) is not list or len(inputs) != n \
+            or type(outputs) is not list or len(outputs) != n or not _ready(pg, opts):
+        return None
+    dtype = inputs[0].dtype
+    for t in inputs + outputs:
+        if not _bytes_plain(t) or t.dtype is not dtype:
+            return None
+    return _run(pg, pg.group.all_to_all, [_array(t) for t in outputs],
+                [_array(t) for t in inputs], _timeout_s(pg, opts))
 
 
 def all_gather_inline(pg, output_lists, inputs, opts):
