@@ -19,7 +19,7 @@ nbytes / N; reduce_scatter: the input) and N the world size:
 | all_gather_single_copy | 2N S | read and write N S (peers' straight from their buffers) |
 | reduce_scatter_direct | (3 + 1/N) S | copy in (2S); read N S/N, write S/N |
 | reduce_scatter_single_copy | (3 - 1/N) S | fetch (N-1) S/N into scratch; read N S/N, write S/N |
-| all_to_all_direct | 4 S up to a slot, else 2 S | riding with the size table: copy in (2S), copy out (2S); above a slot, read and write S (peers' blocks straight from their buffers) |
+| all_to_all_direct | (4 - 2/N) S up to a slot, else 2 S | riding with the size table: copy the peers' blocks in and out (4 (N-1)/N S), my own once (2S/N); above a slot, read and write S (peers' blocks straight from their buffers) |
 
 The ceiling is that many bytes at the single-core copy bandwidth (read + write bytes per
 second of one np.copyto of the row's size: the memcpy peer's rows when the run has them,
@@ -52,13 +52,13 @@ MODEL = {
     "all_gather_single_copy": lambda s, n, sub: 2 * n * s,
     "reduce_scatter_direct": lambda s, n, sub: (3 + 1 / n) * s,
     "reduce_scatter_single_copy": lambda s, n, sub: (3 - 1 / n) * s,
-    "all_to_all_direct": lambda s, n, slot: 4 * s if _a2a_rides(s, n, slot) else 2 * s,
+    "all_to_all_direct": lambda s, n, slot: (4 - 2 / n) * s if _a2a_rides(s, n, slot) else 2 * s,
 }
 
 
 def _a2a_rides(s, n, slot):
     from shmcoll.protocol import a2a_head_nbytes
-    return a2a_head_nbytes(n) + s <= slot
+    return a2a_head_nbytes(n) + s - s // n <= slot
 
 
 def per_rank_bytes(op, nbytes, world_size):

@@ -93,7 +93,8 @@ def _single(group, count, dtype, seed, layout):
     plan = group._plans.get(("all_to_all", src.dtype, src.size))
     # a strided output takes the list form, which stages equal pieces that ride into the
     # one-array form: the one-step plan then too
-    rides = ws > 1 and a2a_head_nbytes(ws) + src.nbytes <= SMALL_SLOT_BYTES
+    # (the block to myself stays out of the slot)
+    rides = ws > 1 and a2a_head_nbytes(ws) + src.nbytes - src.nbytes // ws <= SMALL_SLOT_BYTES
     assert (plan is not None and plan.mode == ONE_STEP_ALL_TO_ALL) == rides, \
         f"one-step plan {plan and plan.mode}, expected riding {rides}"
     return None

@@ -15,8 +15,9 @@ def all_to_all_direct(arena, ins, outs):
     sizes may differ per pair).
 
     1. Write the table -- my send sizes, receive sizes and, unless my messages ride with
-       it, their addresses (3N int64) -- and, when they fit (rides), my messages, packed
-       in rank order, into my slot; post; wait for all. Every rank checks the group's
+       it, their addresses (3N int64) -- and, when they fit (rides), my messages to the
+       peers, packed in rank order (the one to myself is copied straight from ins[rank]),
+       into my slot; post; wait for all. Every rank checks the group's
        whole table, so on a mismatch every rank raises the same ValueError and none is
        left waiting.
     2. Rank j's message to me comes out of its slot where it rode with the table, else
@@ -24,7 +25,8 @@ def all_to_all_direct(arena, ins, outs):
        returns (and reuses its buffers) while a peer still reads them.
     Without single copy, a group in which some rank's messages did not fit its slot
     moves every message again in chunks of a slot (N sub-slots, a step per chunk).
-    Bytes per rank: write S and read S (through the slots), or read S (single copy).
+    Bytes per rank: read and write (N - 1) / N S twice (through the slots) or once
+    (single copy), and S / N once (my own block).
 
     Messages ride whenever they fit the slot: up to there the two copies through it beat
     one copy from the peers' buffers, which pays a wait more and, on 4 KiB pages, CMA's
@@ -34,18 +36,18 @@ def all_to_all_direct(arena, ins, outs):
     chunked steps: 4 MiB 450-630 / 870-1020, 16 MiB 2.0-3.8 ms / 4.2-4.9 ms; 4 ranks
     4 MiB 2.3-2.7 ms / 3.5-3.8 ms, 16 MiB 7.1-8.7 / 13.9-15.4 ms.
     """
-    world = arena.world_size
+    world, rank = arena.world_size, arena.rank
     head = a2a_head_nbytes(world)
     i = arena.next_slot()
     mine = arena.claim(i)
     sizes = [a.size for a in ins]
-    ride = head + sum(sizes) <= arena.slot_nbytes
+    ride = head + sum(sizes) - sizes[rank] <= arena.slot_nbytes
     mine[:A2A_TABLE_WORDS * world * 8].view(np.int64)[:] = sizes + [a.size for a in outs] + (
         [0] * world if ride else [a.ctypes.data for a in ins])
     if ride:
         at = head
-        for a in ins:
-            if a.size:
+        for j, a in enumerate(ins):
+            if a.size and j != rank:
                 mine[at:at + a.size] = a
                 at += a.size
     arena.post(i)
@@ -60,7 +62,7 @@ def all_to_all_finish(arena, i, ins, outs):
     head = a2a_head_nbytes(world)
     limit = arena.slot_nbytes
     rows = _checked_table(arena, i)
-    rode = [head + sum(row[:world]) <= limit for row in rows]
+    rode = [head + sum(row[:world]) - row[j] <= limit for j, row in enumerate(rows)]
     everyone_rode = all(rode)
     if not everyone_rode and arena.single_copy == NONE:
         _chunked(arena, ins, outs, max(max(row[:world]) for row in rows))
@@ -73,7 +75,7 @@ def all_to_all_finish(arena, i, ins, outs):
                 out[:] = ins[rank]
         elif rode[j]:
             if n:
-                at = head + sum(rows[j][:rank])
+                at = head + sum(rows[j][:rank]) - (rows[j][j] if j < rank else 0)
                 out[:] = arena.slot(i, j)[at:at + n]
         elif n:
             peers.append(j)
@@ -88,8 +90,10 @@ def all_to_all_finish(arena, i, ins, outs):
 
 
 def rides(arena, nbytes):
-    """Whether `nbytes` of messages (a rank's total) ride with the table in step 1."""
-    return a2a_head_nbytes(arena.world_size) + nbytes <= arena.slot_nbytes
+    """Whether equal blocks of `nbytes` in all (a rank's input) ride with the table in
+    step 1 (the block to myself stays where it is)."""
+    world = arena.world_size
+    return a2a_head_nbytes(world) + nbytes - nbytes // world <= arena.slot_nbytes
 
 
 def _checked_table(arena, i):

@@ -189,8 +189,14 @@ def _one_step_kernel(mode, src, out, cfg, peer_tab, srcs, plan, pre, post, seq, 
     k = seq % FP_RING
     nbytes = src.nbytes if root < 0 or root == rank else 0
     dst = srcs[rank]
-    if mode == ONE_STEP_ALL_TO_ALL:
-        dst += _write_a2a_table(dst, srcs.shape[0], nbytes)
+    if mode == ONE_STEP_ALL_TO_ALL:  # the table, then my blocks for the peers, packed
+        world = srcs.shape[0]
+        block = nbytes // world
+        dst += _write_a2a_table(dst, world, nbytes)
+        copy_bytes(dst, src.ctypes.data, rank * block)
+        copy_bytes(dst + rank * block, src.ctypes.data + (rank + 1) * block,
+                   (world - rank - 1) * block)
+        nbytes = 0
     r = _exchange_steps(src, _ZERO, nbytes, dst, cfg[_CFG_FP0] + k * LINE_NBYTES,
                         seq, step - 1, plan[0], plan[1], plan[2], plan[3], plan[4], plan[5],
                         cfg[_CFG_SEQ], seq, cfg[_CFG_POSTED], step, peer_tab[_PEER_POSTED],
@@ -206,7 +212,7 @@ def _one_step_kernel(mode, src, out, cfg, peer_tab, srcs, plan, pre, post, seq, 
 def _write_a2a_table(slot, world, nbytes):
     """ONE_STEP_ALL_TO_ALL's table in my slot at `slot`: equal messages of nbytes / world
     to every rank and from every rank, none by address (they ride); returns where the
-    messages go (algorithms/all_to_all.py's layout)."""
+    messages to the peers go (algorithms/all_to_all.py's layout)."""
     block = nbytes // world
     for w in range(2 * world):
         store_release(slot + 8 * w, block)
@@ -223,8 +229,8 @@ def _one_step_consume(mode, src, out, srcs, rank, root, fn, op, pre, post):
     for a cold first collective). Returns -1, or ONE_STEP_NOT_CONSUMED where it left the
     work to Python (ONE_STEP_ALL_TO_ALL, a peer's table not the same as mine)."""
     nbytes = src.nbytes
-    if mode == ONE_STEP_ALL_TO_ALL:  # rank j's block `rank`, after its table, to out[j]
-        world = srcs.shape[0]
+    if mode == ONE_STEP_ALL_TO_ALL:  # rank j's block `rank` (packed after its table, its
+        world = srcs.shape[0]          # own skipped) to out[j]
         mine = srcs[rank]
         for j in range(world):
             if j != rank:
@@ -235,7 +241,7 @@ def _one_step_consume(mode, src, out, srcs, rank, root, fn, op, pre, post):
         head = (A2A_TABLE_WORDS * world * 8 + LINE_NBYTES - 1) // LINE_NBYTES * LINE_NBYTES
         for j in range(world):
             copy_bytes(out.ctypes.data + j * block, src.ctypes.data + rank * block if j == rank
-                       else srcs[j] + head + rank * block, block)
+                       else srcs[j] + head + (rank - (j < rank)) * block, block)
     elif mode == ONE_STEP_REDUCE:
         if nbytes > 0:  # my own contribution from src: see _consume
             call_reduce(fn, src.ctypes.data, srcs.ctypes.data, srcs.shape[0], 0, rank, nbytes,
