@@ -463,3 +463,45 @@ def test_all_to_all_forms_mix_and_take_the_latency_path(world_size):
         for call, right, jobs in rounds:
             assert right, (rank, call)
             assert jobs == (1 if call == "splits" or not inline else 0), (rank, call, jobs)
+
+
+def _rooted_latency_path(rank, world_size):
+    from shmcoll.torch_backend.compat import OPTIONS_HAVE_ASYNC_OP
+    pg = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    general = []
+    submit = pg._submit
+
+    def counted(name, *args, **kwargs):
+        general.append(name)
+        return submit(name, *args, **kwargs)
+    pg._submit = counted
+    try:
+        root = world_size - 1
+        gathered = [torch.full((2, 3), -1.0) for _ in range(world_size)] if rank == root else None
+        dist.gather(torch.full((2, 3), float(rank)), gathered, dst=root)
+        out = torch.zeros(3, dtype=torch.int64)
+        dist.scatter(out, [torch.full((3,), 10 * j, dtype=torch.int64) for j in range(world_size)]
+                     if rank == 0 else None, src=0)
+        scattered = out.tolist()
+        latency = list(general)
+        # async calls still take the general path
+        dist.scatter(out, [torch.full((3,), 7 + j, dtype=torch.int64) for j in range(world_size)]
+                     if rank == 0 else None, src=0, async_op=True).wait()
+        return ([g.tolist() for g in gathered] if gathered else None, scattered, latency,
+                out.tolist(), list(general), OPTIONS_HAVE_ASYNC_OP)
+    finally:
+        pg._submit = submit
+
+
+def test_gather_and_scatter_take_the_latency_path():
+    """dist.gather and dist.scatter run inline (fast.py, no Job) where the torch can say
+    "synchronous", with exact results at a root that is not rank 0; an async call still
+    takes the general path."""
+    ws = 2
+    results = harness.run_torch_ranks(_rooted_latency_path, ws, "shm", JOB_TIMEOUT_S)
+    for rank, (gathered, scattered, latency, async_out, general, inline) in enumerate(results):
+        if rank == ws - 1:
+            assert gathered == [[[float(r)] * 3] * 2 for r in range(ws)], gathered
+        assert scattered == [10 * rank] * 3, scattered
+        assert latency == ([] if inline else ["gather", "scatter"]), latency
+        assert async_out == [7 + rank] * 3 and general[-1] == "scatter", (async_out, general)

@@ -3,7 +3,7 @@ the engine (`dist.all_reduce(t)`: 6-9 us of adapter Python in a rank process, me
 2026-11-28 with the kernel stubbed, instead of the general path's Job and closure). It
 takes all_reduce, broadcast, the single-tensor gathers and reduce_scatters, and their list
 forms of one input (`dist.all_gather(outs, t)`, `dist.reduce_scatter(out, ins)`), and
-all_to_all_single without split sizes and all_to_all of one dtype.
+all_to_all_single without split sizes, all_to_all of one dtype, and gather and scatter.
 
 torch's front end calls `pg.allreduce([t], opts)` with `opts.asyncOp = False` and waits on
 the Work at once. The general path (process_group.py) validates with gloo's wording, builds
@@ -28,13 +28,15 @@ from .convert import plain_array
 
 __all__ = ["allreduce_inline", "broadcast_inline", "all_gather_single_inline",
            "all_gather_inline", "reduce_scatter_single_inline", "reduce_scatter_inline",
-           "all_to_all_single_inline", "all_to_all_inline"]
+           "all_to_all_single_inline", "all_to_all_inline", "gather_inline", "scatter_inline"]
 
 _OPTIONS = dist.AllreduceOptions
 _BCAST_OPTIONS = dist.BroadcastOptions
 _GATHER_OPTIONS = _c10d.AllgatherOptions
 _RS_OPTIONS = dist.ReduceScatterOptions
 _A2A_OPTIONS = dist.AllToAllOptions
+_GATHER_ROOTED_OPTIONS = dist.GatherOptions
+_SCATTER_OPTIONS = dist.ScatterOptions
 _STRIDED = torch.strided
 _ZERO = datetime.timedelta(0)
 
@@ -146,6 +148,48 @@ def all_to_all_inline(pg, outputs, inputs, opts):
             return None
     return _run(pg, pg.group.all_to_all, [_array(t) for t in outputs],
                 [_array(t) for t in inputs], _timeout_s(pg, opts))
+
+
+def _rooted_inline(pg, singles, lists, opts, options):
+    """(my tensor, the root's list of world_size tensors or None) of a gather or scatter
+    in the options form (the one torch's front end uses), or None: one plain tensor here;
+    at the root, world_size plain tensors of its dtype and shape; elsewhere no list."""
+    if type(opts) is not options or type(singles) is not list or len(singles) != 1 \
+            or type(lists) is not list or not _ready(pg, opts):
+        return None
+    t = singles[0]
+    root = opts.rootRank
+    if not _bytes_plain(t) or not 0 <= root < pg.group.world_size:
+        return None
+    if pg.group.rank != root:
+        return (t, None) if not lists else None
+    if len(lists) != 1 or type(lists[0]) is not list or len(lists[0]) != pg.group.world_size:
+        return None
+    dtype, shape = t.dtype, t.shape
+    for o in lists[0]:
+        if not _bytes_plain(o) or o.dtype is not dtype or o.shape != shape:
+            return None
+    return t, lists[0]
+
+
+def gather_inline(pg, output_lists, inputs, opts):
+    """pg.gather(outs, [t], opts) of dist.gather(t, gather_list, dst), or None."""
+    args = _rooted_inline(pg, inputs, output_lists, opts, _GATHER_ROOTED_OPTIONS)
+    if args is None:
+        return None
+    t, outs = args
+    return _run(pg, pg.group.gather, _array(t), outs and [_array(o) for o in outs],
+                opts.rootRank, _timeout_s(pg, opts))
+
+
+def scatter_inline(pg, outputs, input_lists, opts):
+    """pg.scatter([t], ins, opts) of dist.scatter(t, scatter_list, src), or None."""
+    args = _rooted_inline(pg, outputs, input_lists, opts, _SCATTER_OPTIONS)
+    if args is None:
+        return None
+    t, ins = args
+    return _run(pg, pg.group.scatter, _array(t), ins and [_array(i) for i in ins],
+                opts.rootRank, _timeout_s(pg, opts))
 
 
 def all_gather_inline(pg, output_lists, inputs, opts):

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from . import checks
 from .convert import as_array
+from .fast import gather_inline, scatter_inline
 from .pg_args import gloo_value, nested, set_timeout
 
 __all__ = ["GatherScatterMixin"]
@@ -24,6 +25,9 @@ class GatherScatterMixin:
 
     def gather(self, output_lists, input_tensors, opts=None, timeout=None):
         """gather(output_lists, inputs, opts) | gather(outputs, input, root, timeout=None)."""
+        work = gather_inline(self, output_lists, input_tensors, opts)
+        if work is not None:
+            return work
         name = "gather"
         opts, root, inputs, outs, output_lists, device = self._rooted_args(
             name, input_tensors, output_lists, opts, timeout, dist.GatherOptions, "output")
@@ -39,6 +43,9 @@ class GatherScatterMixin:
 
     def scatter(self, output_tensors, input_lists, opts=None, timeout=None):
         """scatter(outputs, input_lists, opts) | scatter(output, inputs, root, timeout=None)."""
+        work = scatter_inline(self, output_tensors, input_lists, opts)
+        if work is not None:
+            return work
         name = "scatter"
         opts, root, outputs, ins, _, device = self._rooted_args(
             name, output_tensors, input_lists, opts, timeout, dist.ScatterOptions, "input")
