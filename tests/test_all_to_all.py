@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import harness
-from cases import (assert_rank_results, assert_bits_equal, case_name, check_all_to_all, COUNTS,
+from cases import (all_to_all_sizes, assert_rank_results, assert_bits_equal, case_name,
+                   check_all_to_all, COUNTS,
                    DTYPES, group_cases, make_input, Placed, SMALL_SLOT_BYTES, SMALL_SLOT_ENV,
                    storage)
 from shmcoll.protocol import ONE_STEP_ALL_TO_ALL, a2a_head_nbytes
@@ -100,6 +101,25 @@ def _single(group, count, dtype, seed, layout):
     return None
 
 
+def _single_uneven(group, count, dtype, seed, list_ranks=()):
+    """all_to_all_single with uneven counts (all_to_all_sizes: some empty), every rank but
+    those in `list_ranks`, which pass the same pieces as lists."""
+    ws, rank = group.world_size, group.rank
+    n = all_to_all_sizes(count, ws)
+    piece = lambda s, d: make_input(dtype, n[s][d], s, seed, tag=d)  # noqa: E731
+    if rank in list_ranks:
+        outs = [np.zeros(n[s][rank], storage(dtype)) for s in range(ws)]
+        group.all_to_all(outs, [piece(rank, d) for d in range(ws)])
+        got = np.concatenate(outs)
+    else:
+        got = np.zeros(sum(n[s][rank] for s in range(ws)), storage(dtype))
+        group.all_to_all_single(got, np.concatenate([piece(rank, d) for d in range(ws)]),
+                                [n[s][rank] for s in range(ws)], n[rank])
+    assert_bits_equal(got, np.concatenate([piece(s, rank) for s in range(ws)]), dtype,
+                      "all_to_all_single (uneven)")
+    return None
+
+
 def _single_beside_lists(group, seed):
     """all_to_all_single on rank 0, the list form on the others, with uneven messages
     among ranks 1.. (rank 0's are equal blocks of 4): the one-step kernel sees tables
@@ -137,6 +157,12 @@ def _single_sweep(group, rank, world_size, seed):
         for dtype in ("float32", "complex128", "bfloat16"):
             cases.append((case_name("all_to_all_single", count=count, dtype=dtype),
                           functools.partial(_single, group, count, dtype, seed, "contig")))
+    for count in (0, 1, 3333, 70001):
+        cases.append((case_name("all_to_all_single(uneven)", count=count, dtype="float64"),
+                      functools.partial(_single_uneven, group, count, "float64", seed)))
+        cases.append((case_name("all_to_all_single(uneven) beside a list", count=count,
+                                dtype="int16"),
+                      functools.partial(_single_uneven, group, count, "int16", seed, (1,))))
     cases.append(("all_to_all_single(strided output)",
                   functools.partial(_single, group, 333, "float64", seed, "strided")))
     if world_size > 1:

@@ -410,9 +410,9 @@ def test_list_all_gather_and_reduce_scatter_take_the_latency_path():
 
 def _all_to_all_forms(rank, world_size):
     """Rounds of all_to_all in which the ranks pass different forms of one exchange:
-    all_to_all_single without splits (the latency path), with explicit splits (equal or
-    uneven), and the list form; rank r sends rank d (d - r) mod ws + 1 rows of 2 floats,
-    except that rank 0 sends and receives 2 rows everywhere (so it may omit its splits)."""
+    all_to_all_single without splits, with explicit splits (equal or uneven), and the list
+    form; rank r sends rank d (d - r) mod ws + 1 rows of 2 floats, except that rank 0 sends
+    and receives 2 rows everywhere (so it may omit its splits)."""
     from shmcoll.torch_backend.compat import OPTIONS_HAVE_ASYNC_OP
     pg = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
     general = []
@@ -453,16 +453,14 @@ def _all_to_all_forms(rank, world_size):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_all_to_all_forms_mix_and_take_the_latency_path(world_size):
-    """The forms of all_to_all agree with each other whatever each rank passes (the
-    one-array form beside uneven lists finishes on the general path of the engine), and
-    all_to_all_single without splits and the list form of one dtype run inline (no Job)
-    where the torch can say "synchronous"; with explicit splits they take the general
-    path."""
+    """The forms of all_to_all agree with each other whatever each rank passes
+    (all_to_all_single with or without splits, the list form), and all of them run inline
+    (no Job) where the torch can say "synchronous"."""
     results = harness.run_torch_ranks(_all_to_all_forms, world_size, "shm", JOB_TIMEOUT_S)
     for rank, (rounds, inline) in enumerate(results):
         for call, right, jobs in rounds:
             assert right, (rank, call)
-            assert jobs == (1 if call == "splits" or not inline else 0), (rank, call, jobs)
+            assert jobs == (0 if inline else 1), (rank, call, jobs)
 
 
 def _rooted_latency_path(rank, world_size):

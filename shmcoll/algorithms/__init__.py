@@ -4,8 +4,8 @@ Each algorithm lives in the module named after its collective and talks only to 
 seam (protocol.Arena), so the process engine and the threaded engine run the same code.
 """
 
-from ..protocol import ONE_STEP_ALL_TO_ALL, ONE_STEP_BROADCAST, ONE_STEP_GATHER, \
-    ONE_STEP_REDUCE, ONE_STEP_REDUCE_SCATTER
+from ..protocol import ONE_STEP_BROADCAST, ONE_STEP_GATHER, ONE_STEP_REDUCE, \
+    ONE_STEP_REDUCE_SCATTER
 from ..native.single_copy import CMA, IN_PROCESS, NONE
 from .all_gather import all_gather_direct, all_gather_single_copy
 from .all_reduce import STREAM_NBYTES, all_reduce_one_shot, all_reduce_single_copy, \
@@ -18,7 +18,8 @@ from .reduce import reduce_direct
 from .reduce_scatter import reduce_scatter_direct, reduce_scatter_single_copy
 from .scatter import scatter_direct
 
-__all__ = ["select", "one_step_mode", "all_to_all_finish", "ONE_SHOT_MAX_NBYTES", "SINGLE_COPY_MIN",
+__all__ = ["select", "one_step_mode", "all_to_all_finish", "rides", "ONE_SHOT_MAX_NBYTES",
+           "SINGLE_COPY_MIN",
            "SINGLE_COPY_SMALL_PAGES_MAX", "BROADCAST_STREAMED_MIN_NBYTES",
            "LIST_STAGED_MAX_NBYTES"]
 
@@ -159,6 +160,4 @@ def one_step_mode(algo, arena, nbytes, itemsize):
         return ONE_STEP_BROADCAST if 0 < nbytes <= arena.slot_nbytes else None
     if algo is reduce_scatter_direct:  # the one-input-array form only; nbytes: the input
         return ONE_STEP_REDUCE_SCATTER if 0 < nbytes <= arena.slot_nbytes else None
-    if algo is all_to_all_direct:  # equal blocks of one array (Group.all_to_all_single)
-        return ONE_STEP_ALL_TO_ALL if rides(arena, nbytes) else None
     return None

@@ -89,11 +89,11 @@ def all_to_all_finish(arena, i, ins, outs):
         arena.exchange()  # my reads of peers' buffers are done; theirs of mine too
 
 
-def rides(arena, nbytes):
-    """Whether equal blocks of `nbytes` in all (a rank's input) ride with the table in
-    step 1 (the block to myself stays where it is)."""
-    world = arena.world_size
-    return a2a_head_nbytes(world) + nbytes - nbytes // world <= arena.slot_nbytes
+def rides(arena, sends):
+    """Whether messages of `sends` bytes to the ranks (in rank order; a rank's own stays
+    out of the slot) ride with the table in step 1."""
+    return a2a_head_nbytes(arena.world_size) + sum(sends) - sends[arena.rank] \
+        <= arena.slot_nbytes
 
 
 def _checked_table(arena, i):

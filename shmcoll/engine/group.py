@@ -25,9 +25,10 @@ import time
 import numpy as np
 
 from .. import algorithms
+from ..protocol import ONE_STEP_ALL_TO_ALL
 from ..native import compiled
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError, ShmcollError
-from .group_args import BYTES, all_to_all_args, as_bytes, check_all_to_all_single, \
+from .group_args import BYTES, all_to_all_args, all_to_all_single_counts, as_bytes, \
     check_arrays, dtype_code, Flat, shape_word
 from ..native.ops import DTYPE_BY_CODE, ReduceOp, dtype_of, reduce_spec
 
@@ -207,20 +208,22 @@ class Group:
             self._usable(name)
         return self._run(name, fp, algo, *args, timeout_s=timeout_s, nbytes=nbytes)
 
-    def _run_one_step(self, name, plan, src, out, root, timeout_s, finish=None):
+    def _run_one_step(self, name, plan, src, out, root, timeout_s, finish=None, words=None):
         """_run for a collective the Arena runs as one compiled call, framing included
         (plan.mode is not None: Arena.one_step); `out` None and `root` -1 unless the
         collective has them. `finish(arena, slot)`: the rest of the collective where the
-        kernel leaves it to Python (ONE_STEP_ALL_TO_ALL)."""
+        kernel leaves it to Python; `words`: the kernel's plan words when not plan.words
+        (ONE_STEP_ALL_TO_ALL of uneven pieces: their sizes, per call)."""
         self._seq += 1
         seq = self._seq
         entry = {"seq": seq, "op": name, "nbytes": plan.nbytes, "state": "started",
                  "t_start": time.time(), "t_end": None}
         self.flight_record.append(entry)
         try:
-            i = self._arena.one_step(seq, name, plan.mode, plan.words, plan.pre, plan.post,
-                                     src, out, root, self.timeout_s if timeout_s is None
-                                     else float(timeout_s))
+            i = self._arena.one_step(seq, name, ONE_STEP_ALL_TO_ALL if words is not None
+                                     else plan.mode, plan.words if words is None else words,
+                                     plan.pre, plan.post, src, out, root,
+                                     self.timeout_s if timeout_s is None else float(timeout_s))
             if i is not None:
                 finish(self._arena, i)
         except BaseException as e:
@@ -565,7 +568,7 @@ class Group:
         if self._arena is not None:
             size = src[0].size
             if all(a.size == size for a in src) and all(f.flat.nbytes == size for f in flats) \
-                    and algorithms.rides(self._arena, n * size):
+                    and algorithms.rides(self._arena, [size] * n):
                 # Equal pieces that ride with the size table: staged through a reused array
                 # into the one-array form (one compiled call), then copied out; the same
                 # collective, whatever form or sizes the peers pass.
@@ -574,7 +577,8 @@ class Group:
                 for j, a in enumerate(src):
                     pieces_in[j * size:(j + 1) * size] = a
                 dt = flats[0].flat.dtype
-                self.all_to_all_single(pieces_out.view(dt), pieces_in.view(dt), timeout_s)
+                self.all_to_all_single(pieces_out.view(dt), pieces_in.view(dt),
+                                       timeout_s=timeout_s)
                 for j, f in enumerate(flats):
                     as_bytes(f.flat)[:] = pieces_out[j * size:(j + 1) * size]
                     f.write_back()
@@ -587,35 +591,59 @@ class Group:
             f.write_back()
         return outs
 
-    def all_to_all_single(self, out, array, timeout_s=None):
-        """Block j of `out` receives block `rank` of rank j's `array` (both hold world_size
-        equal blocks, in element order). The same collective as all_to_all with those
-        blocks as lists (a rank may call either form): where the blocks ride with its
-        size table, it is one compiled call (Arena.one_step)."""
+    def all_to_all_single(self, out, array, out_counts=None, in_counts=None, timeout_s=None):
+        """Rank j's piece `rank` of its `array` lands as piece j of my `out`: the flat arrays
+        hold world_size pieces each, in rank order, of in_counts[j] / out_counts[j]
+        elements (both None: equal pieces). The same collective as all_to_all with those
+        pieces as lists: a rank may call either form, and the peers' sizes may differ.
+        Where my messages ride with the size table, it is one compiled call
+        (Arena.one_step)."""
         if self._poison is not None or self._closed or self._kernels is not None:
             self._usable("all_to_all")
         n = self.world_size
-        check_all_to_all_single(n, out, array)
+        out_counts, in_counts = all_to_all_single_counts(n, out, array, out_counts, in_counts)
         if self._arena is not None and array.flags.c_contiguous and out.flags.c_contiguous \
                 and out.flags.writeable:
-            key = ("all_to_all", array.dtype, array.size)
+            key = ("all_to_all", array.dtype, array.size if in_counts is None else None)
             plan = self._plans.get(key)
             if plan is None:
-                plan = self._plan(key, "all_to_all", (dtype_code(array), 0, 0, 0, 0),
-                                  self._select("all_to_all", array.nbytes), array.nbytes,
-                                  BYTES)
-            if plan.mode is not None:
+                plan = self._plan_all_to_all(key, array)
+            if in_counts is None:
+                words, sends, recvs = plan.words, None, None
+                ride = plan.mode is not None
+            else:
+                size = array.itemsize
+                sends, recvs = [c * size for c in in_counts], [c * size for c in out_counts]
+                ride = algorithms.rides(self._arena, sends)
+                words = np.array(plan.head + sends + recvs, np.int64)
+            if ride:
                 src, dst = as_bytes(array), as_bytes(out)
                 self._run_one_step(
                     "all_to_all", plan, src, dst, -1, timeout_s,
-                    lambda arena, i: algorithms.all_to_all_finish(arena, i, np.split(src, n),
-                                                                  np.split(dst, n)))
+                    lambda arena, i: algorithms.all_to_all_finish(
+                        arena, i, _pieces(src, sends, n), _pieces(dst, recvs, n)), words)
                 return out
         f = Flat(out, out.dtype, copy_in=False)
-        self.all_to_all(np.split(f.flat, n), np.split(np.ascontiguousarray(array).reshape(-1), n),
+        self.all_to_all(_pieces(f.flat, out_counts, n),
+                        _pieces(np.ascontiguousarray(array).reshape(-1), in_counts, n),
                         timeout_s)
         f.write_back()
         return out
+
+    def _plan_all_to_all(self, key, array):
+        """all_to_all_single's plan: the list form's fingerprint; `head`, the one-step
+        words before the sizes (the 8 usual, then the slot's bytes); for equal pieces
+        (key's size not None) `words` with their sizes and `mode` (None where they do
+        not ride)."""
+        plan = self._plan(key, "all_to_all", (dtype_code(array), 0, 0, 0, 0),
+                          self._select("all_to_all", array.nbytes), array.nbytes, BYTES)
+        plan.head = plan.words.tolist() + [self._arena.slot_nbytes]
+        if key[2] is not None:
+            n = self.world_size
+            sizes = [array.nbytes // n] * n
+            plan.words = np.array(plan.head + sizes + sizes, np.int64)
+            plan.mode = ONE_STEP_ALL_TO_ALL if algorithms.rides(self._arena, sizes) else None
+        return plan
 
     # -- list helpers ----------------------------------------------------------------------
 
@@ -788,9 +816,11 @@ class _Plan:
     """What a collective derives from its arguments' dtype, shape, op and root (Group._plan):
     fp (fingerprint words after the collective code), algo, nbytes, spec (ops.ReduceSpec or
     None) with its pre/post, view (dtype to view the array as, or None), mode (the
-    Arena.one_step mode, or None: the general path) and words (that call's int64 plan)."""
+    Arena.one_step mode, or None: the general path) and words (that call's int64 plan);
+    all_to_all's also head (the words before its sizes: Group._plan_all_to_all)."""
 
-    __slots__ = ("fp", "algo", "nbytes", "spec", "pre", "post", "view", "mode", "words")
+    __slots__ = ("fp", "algo", "nbytes", "spec", "pre", "post", "view", "mode", "words",
+                 "head")
 
 
 _MAX_PLANS = 256
@@ -826,6 +856,13 @@ def _local_all_gather_rooted(arena, src, outs, root):
 
 def _local_scatter(arena, pieces, out, root):
     out[:] = pieces[0]
+
+
+def _pieces(flat, counts, n):
+    """The n pieces of 1-D `flat`: of counts[j] elements each, or equal (counts None)."""
+    if counts is None:
+        return np.split(flat, n)
+    return np.split(flat, np.cumsum(counts[:-1])) if n > 1 else [flat]
 
 
 def _local_all_to_all(arena, src, outs):

@@ -62,15 +62,28 @@ def dtype_code(array):
         return 0
 
 
-def check_all_to_all_single(world_size, out, array):
+def all_to_all_single_counts(world_size, out, array, out_counts=None, in_counts=None):
     """all_to_all_single's argument check (the engine's and the hierarchical group's): one
-    dtype, world_size equal blocks in each array."""
+    dtype; `in_counts` / `out_counts`: the elements of each of the world_size pieces of
+    the (flat) input and output, in rank order, or both None for equal pieces. -> the two
+    lists of counts, or (None, None) for equal pieces."""
     if type(array) is not np.ndarray or type(out) is not np.ndarray:
         check_arrays("all_to_all", [out, array])
-    if array.size % world_size or out.size != array.size or out.dtype != array.dtype:
-        raise ValueError(f"all_to_all: input and output must hold {world_size} equal blocks "
-                         f"of one dtype (input {array.dtype} x {array.size}, output "
-                         f"{out.dtype} x {out.size})")
+    if out.dtype != array.dtype:
+        raise TypeError(f"all_to_all: mixed dtypes: {out.dtype} and {array.dtype}")
+    if in_counts is None and out_counts is None:
+        if array.size % world_size or out.size != array.size:
+            raise ValueError(f"all_to_all: input and output must hold {world_size} equal "
+                             f"blocks (input {array.size} elements, output {out.size})")
+        return None, None
+    if in_counts is None or out_counts is None:
+        raise ValueError("all_to_all: pass both the input and the output counts, or neither")
+    in_counts, out_counts = [int(c) for c in in_counts], [int(c) for c in out_counts]
+    for what, counts, a in (("input", in_counts, array), ("output", out_counts, out)):
+        if len(counts) != world_size or min(counts) < 0 or sum(counts) != a.size:
+            raise ValueError(f"all_to_all: {what} counts {counts} do not split its {a.size} "
+                             f"elements into {world_size} pieces")
+    return out_counts, in_counts
 
 
 def all_to_all_args(world_size, outs, ins):

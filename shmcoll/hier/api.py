@@ -6,7 +6,7 @@ rank, consumes no sequence number and leaves the group usable."""
 import numpy as np
 
 from ..engine.group import Group
-from ..engine.group_args import (Flat, all_to_all_args, as_bytes, check_all_to_all_single,
+from ..engine.group_args import (Flat, all_to_all_args, all_to_all_single_counts, as_bytes,
                                  check_arrays, dtype_code, shape_word)
 from ..native.ops import ReduceOp, dtype_of, reduce_spec
 from . import move, reduce
@@ -152,14 +152,19 @@ class Collectives:
             f.write_back()
         return outs
 
-    def all_to_all_single(self, out, array, timeout_s=None):
-        """Block j of `out` receives block `rank` of rank j's `array` (world_size equal
-        blocks each): all_to_all of those blocks."""
+    def all_to_all_single(self, out, array, out_counts=None, in_counts=None, timeout_s=None):
+        """Rank j's piece `rank` of its `array` lands as piece j of my `out` (pieces of
+        in_counts / out_counts elements, or equal): all_to_all of those pieces."""
         n = self.world_size
-        check_all_to_all_single(n, out, array)
+        out_counts, in_counts = all_to_all_single_counts(n, out, array, out_counts, in_counts)
         f = Flat(out, out.dtype, copy_in=False)
-        self.all_to_all(np.split(f.flat, n), np.split(np.ascontiguousarray(array).reshape(-1), n),
-                        timeout_s)
+        flat_in = np.ascontiguousarray(array).reshape(-1)
+        if in_counts is None:
+            outs, ins = np.split(f.flat, n), np.split(flat_in, n)
+        else:
+            outs = np.split(f.flat, np.cumsum(out_counts[:-1]))
+            ins = np.split(flat_in, np.cumsum(in_counts[:-1]))
+        self.all_to_all(outs, ins, timeout_s)
         f.write_back()
         return out
 

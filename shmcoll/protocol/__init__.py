@@ -482,15 +482,17 @@ class Arena:
         ONE_STEP_REDUCE_SCATTER: reduce_scatter_direct of one input array (world_size equal
             blocks) that fits a slot; `out` (the bytes of my output, one block) becomes the
             reduction in rank order of block[rank] of every rank's `src` (bytes too).
-        ONE_STEP_ALL_TO_ALL: step 1 of all_to_all_direct where my messages are equal blocks
-            of `src` that ride with the table; when every rank's table is the same as mine,
-            block[rank] of rank j's messages lands at out[j * block:]. Otherwise the work
-            after the wait is the caller's: one_step returns slot i, as the general path
-            left it after step 1 (algorithms.all_to_all_finish).
+        ONE_STEP_ALL_TO_ALL: step 1 of all_to_all_direct where my messages (the pieces of
+            `src`, in rank order, sizes in the plan) ride with the table; when every rank's
+            table agrees and every rank's messages rode, rank j's message to me lands in
+            `out` (pieces in rank order). Otherwise the work after the wait is the caller's:
+            one_step returns slot i, as the general path left it after step 1
+            (algorithms.all_to_all_finish).
 
         `plan`: int64 [collective code, dtype code, count, root, op, shape word, kernel op,
         reducer] (fingerprint words 2-7, then the reduction: ops.ReduceSpec's op and fn);
-        pre/post as in ops.ReduceSpec. `src` and `out` are uint8 arrays.
+        ONE_STEP_ALL_TO_ALL's goes on: [slot bytes, my N send sizes, my N receive sizes]
+        (layout.A2A_PLAN_*); pre/post as in ops.ReduceSpec. `src` and `out` are uint8 arrays.
         Anything but a clean pass (a late peer, a mismatch, an abort) is finished by the same
         Python as the general path (_finish_wait), which owns the slow tiers and errors.
         Returns None when the collective is done, else the slot of its step 1 (above).
@@ -526,8 +528,7 @@ class Arena:
             self._finish_wait(step, -1, True)
             return i
         self._finish_wait(step, r, True)
-        r = pk._one_step_consume(mode, src, out, srcs, self.rank, root, plan[7], plan[6], pre,
-                                 post)
+        r = pk._one_step_consume(mode, src, out, srcs, self.rank, root, plan, pre, post)
         return None if r == -1 else i
 
     def exchange_gather(self, i, inp, out, sub_nbytes):

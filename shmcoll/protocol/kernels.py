@@ -47,6 +47,8 @@ from .layout import (  # noqa: F401  (the steps' numbers; also read here by test
     GIL_LEAVE_NS,
     LINE_NBYTES,
     LINE_WORDS,
+    A2A_PLAN_SIZES,
+    A2A_PLAN_SLOT,
     A2A_TABLE_WORDS,
     ONE_STEP_ALL_TO_ALL,
     ONE_STEP_BROADCAST,
@@ -92,7 +94,8 @@ def _warm_one_step():
     words, w, none, srcs, cfg, tab, a, fp = _dummies()
     _one_step_kernel(ONE_STEP_REDUCE, a[:0], _NO_BYTES, cfg, tab, srcs, np.zeros(8, np.int64),
                      1.0, 1.0, 0, 0, -1)
-    _one_step_consume(ONE_STEP_BROADCAST, a[:0], _NO_BYTES, srcs, 0, 0, 0, 0, 1.0, 1.0)
+    _one_step_consume(ONE_STEP_BROADCAST, a[:0], _NO_BYTES, srcs, 0, 0, np.zeros(8, np.int64),
+                      1.0, 1.0)
     post_wake(w + 8, 0)  # Arena.post
 
 
@@ -189,13 +192,16 @@ def _one_step_kernel(mode, src, out, cfg, peer_tab, srcs, plan, pre, post, seq, 
     k = seq % FP_RING
     nbytes = src.nbytes if root < 0 or root == rank else 0
     dst = srcs[rank]
-    if mode == ONE_STEP_ALL_TO_ALL:  # the table, then my blocks for the peers, packed
+    if mode == ONE_STEP_ALL_TO_ALL:  # the table, then my messages to the peers, packed
         world = srcs.shape[0]
-        block = nbytes // world
-        dst += _write_a2a_table(dst, world, nbytes)
-        copy_bytes(dst, src.ctypes.data, rank * block)
-        copy_bytes(dst + rank * block, src.ctypes.data + (rank + 1) * block,
-                   (world - rank - 1) * block)
+        dst += _write_a2a_table(dst, world, plan)
+        at = src.ctypes.data
+        for d in range(world):
+            n = plan[A2A_PLAN_SIZES + d]
+            if d != rank:
+                copy_bytes(dst, at, n)
+                dst += n
+            at += n
         nbytes = 0
     r = _exchange_steps(src, _ZERO, nbytes, dst, cfg[_CFG_FP0] + k * LINE_NBYTES,
                         seq, step - 1, plan[0], plan[1], plan[2], plan[3], plan[4], plan[5],
@@ -203,57 +209,82 @@ def _one_step_kernel(mode, src, out, cfg, peer_tab, srcs, plan, pre, post, seq, 
                         peer_tab[_PEER_FP0 + k], peer_tab[_PEER_STATE], spins,
                         cfg[_CFG_YIELD_NS], cfg[_CFG_STATE], cfg[_CFG_VERIFY] != 0)
     if r == -1:
-        r = _one_step_consume(mode, src, out, srcs, rank, root, plan[7], plan[6], pre, post)
+        r = _one_step_consume(mode, src, out, srcs, rank, root, plan, pre, post)
     _gil_leave(cfg[_CFG_GIL], cfg[_CFG_GIL_ME], r, spins)
     return r
 
 
 @jit.kernel(nogil=True)
-def _write_a2a_table(slot, world, nbytes):
-    """ONE_STEP_ALL_TO_ALL's table in my slot at `slot`: equal messages of nbytes / world
-    to every rank and from every rank, none by address (they ride); returns where the
-    messages to the peers go (algorithms/all_to_all.py's layout)."""
-    block = nbytes // world
+def _write_a2a_table(slot, world, plan):
+    """ONE_STEP_ALL_TO_ALL's table in my slot at `slot`: my send and receive sizes from
+    `plan`, no addresses (my messages ride); returns where the messages to the peers go
+    (algorithms/all_to_all.py's layout)."""
     for w in range(2 * world):
-        store_release(slot + 8 * w, block)
+        store_release(slot + 8 * w, plan[A2A_PLAN_SIZES + w])
     for w in range(2 * world, A2A_TABLE_WORDS * world):
         store_release(slot + 8 * w, _ZERO)
     return (A2A_TABLE_WORDS * world * 8 + LINE_NBYTES - 1) // LINE_NBYTES * LINE_NBYTES
 
 
 @jit.kernel(nogil=True)
-def _one_step_consume(mode, src, out, srcs, rank, root, fn, op, pre, post):
+def _a2a_all_rode(srcs, world, head, slot_nbytes):
+    """Every rank's table in its slot agrees with every other's (a's send to b is b's
+    receive from a), no size is negative, and every rank's messages rode with it (the
+    same test as algorithms.all_to_all_finish)."""
+    for a in range(world):
+        total = 0
+        for b in range(world):
+            n = load_acquire(srcs[a] + 8 * b)
+            if n < 0 or n > slot_nbytes or n != load_acquire(srcs[b] + 8 * (world + a)):
+                return False
+            if b != a:
+                total += n
+        if head + total > slot_nbytes:
+            return False
+    return True
+
+
+@jit.kernel(nogil=True)
+def _one_step_consume(mode, src, out, srcs, rank, root, plan, pre, post):
     """The work after Arena.one_step's wait, per mode (every rank's copy is in its slot
-    of `srcs`, at offset 0; `fn` reduces). The same work as _consume's for one sub-chunk,
+    of `srcs`, at offset 0; plan[7] is the reducer, plan[6] its op; ONE_STEP_ALL_TO_ALL
+    reads its sizes from the plan too). The same work as _consume's for one sub-chunk,
     written out: calling _consume would compile it into the one-step kernel (~0.15 s more
     for a cold first collective). Returns -1, or ONE_STEP_NOT_CONSUMED where it left the
     work to Python (ONE_STEP_ALL_TO_ALL, a peer's table not the same as mine)."""
     nbytes = src.nbytes
-    if mode == ONE_STEP_ALL_TO_ALL:  # rank j's block `rank` (packed after its table, its
-        world = srcs.shape[0]          # own skipped) to out[j]
-        mine = srcs[rank]
-        for j in range(world):
-            if j != rank:
-                for w in range(A2A_TABLE_WORDS * world):
-                    if load_acquire(srcs[j] + 8 * w) != load_acquire(mine + 8 * w):
-                        return ONE_STEP_NOT_CONSUMED
-        block = nbytes // world
+    if mode == ONE_STEP_ALL_TO_ALL:  # rank j's message to me (packed after its table,
+        world = srcs.shape[0]          # its own skipped) to my out, in rank order
         head = (A2A_TABLE_WORDS * world * 8 + LINE_NBYTES - 1) // LINE_NBYTES * LINE_NBYTES
+        if not _a2a_all_rode(srcs, world, head, plan[A2A_PLAN_SLOT]):
+            return ONE_STEP_NOT_CONSUMED
+        at = out.ctypes.data
         for j in range(world):
-            copy_bytes(out.ctypes.data + j * block, src.ctypes.data + rank * block if j == rank
-                       else srcs[j] + head + (rank - (j < rank)) * block, block)
+            n = plan[A2A_PLAN_SIZES + world + j]
+            if j == rank:
+                mine = src.ctypes.data
+                for d in range(rank):
+                    mine += plan[A2A_PLAN_SIZES + d]
+                copy_bytes(at, mine, n)
+            else:
+                theirs = srcs[j] + head
+                for k in range(rank):
+                    if k != j:
+                        theirs += load_acquire(srcs[j] + 8 * k)
+                copy_bytes(at, theirs, n)
+            at += n
     elif mode == ONE_STEP_REDUCE:
         if nbytes > 0:  # my own contribution from src: see _consume
-            call_reduce(fn, src.ctypes.data, srcs.ctypes.data, srcs.shape[0], 0, rank, nbytes,
-                        op, pre, post)
+            call_reduce(plan[7], src.ctypes.data, srcs.ctypes.data, srcs.shape[0], 0, rank,
+                        nbytes, plan[6], pre, post)
     elif mode == ONE_STEP_GATHER:  # rank j's copy to out[j * nbytes:]; mine from src
         for j in range(srcs.shape[0]):
             copy_bytes(out.ctypes.data + j * nbytes, src.ctypes.data if j == rank else srcs[j],
                        nbytes)
     elif mode == ONE_STEP_REDUCE_SCATTER:  # block `rank` of every rank's slot
         if out.nbytes > 0:
-            call_reduce(fn, out.ctypes.data, srcs.ctypes.data, srcs.shape[0], rank * out.nbytes,
-                        -1, out.nbytes, op, pre, post)
+            call_reduce(plan[7], out.ctypes.data, srcs.ctypes.data, srcs.shape[0],
+                        rank * out.nbytes, -1, out.nbytes, plan[6], pre, post)
     elif rank != root:
         copy_bytes(src.ctypes.data, srcs[root], nbytes)
     return -1

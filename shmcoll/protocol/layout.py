@@ -57,6 +57,10 @@ ONE_STEP_NOT_CONSUMED = -9
 # the one-step kernel): A2A_TABLE_WORDS int64 per rank of the group (send sizes, receive
 # sizes, send addresses), then, from the next line on, the messages that ride with it.
 A2A_TABLE_WORDS = 3
+# ONE_STEP_ALL_TO_ALL's plan (Arena.one_step's `plan`) after the 8 usual words: the slot's
+# bytes, then my send sizes and my receive sizes in bytes (N each).
+A2A_PLAN_SLOT = 8
+A2A_PLAN_SIZES = 9
 
 
 def a2a_head_nbytes(world):

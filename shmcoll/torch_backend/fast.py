@@ -3,7 +3,7 @@ the engine (`dist.all_reduce(t)`: 6-9 us of adapter Python in a rank process, me
 2026-11-28 with the kernel stubbed, instead of the general path's Job and closure). It
 takes all_reduce, broadcast, the single-tensor gathers and reduce_scatters, and their list
 forms of one input (`dist.all_gather(outs, t)`, `dist.reduce_scatter(out, ins)`), and
-all_to_all_single without split sizes, all_to_all of one dtype, and gather and scatter.
+all_to_all_single, all_to_all of one dtype, and gather and scatter.
 
 torch's front end calls `pg.allreduce([t], opts)` with `opts.asyncOp = False` and waits on
 the Work at once. The general path (process_group.py) validates with gloo's wording, builds
@@ -122,16 +122,29 @@ def all_gather_single_inline(pg, output, input, opts):
 
 
 def all_to_all_single_inline(pg, output, input, output_split_sizes, input_split_sizes, opts):
-    """pg.alltoall_base(out, in, [], [], opts) of dist.all_to_all_single(out, in), or None:
-    no split sizes, both tensors of one dtype and size, which divides by the group size
-    along dim 0 (gloo's checks, which the general path words)."""
-    if type(opts) is not _A2A_OPTIONS or output_split_sizes or input_split_sizes \
-            or not _ready(pg, opts) or not _bytes_plain(output) or not _bytes_plain(input) \
-            or output.dtype is not input.dtype or output.numel() != input.numel() \
-            or not input.dim() or input.shape[0] % pg.group.world_size:
+    """pg.alltoall_base(out, in, out_splits, in_splits, opts) of dist.all_to_all_single,
+    or None: both tensors of one dtype, with at least one dimension, split along dim 0
+    into world_size pieces equally (no splits; same sizes) or by the splits given for
+    both, which gloo's checks (worded by the general path) all pass."""
+    n = pg.group.world_size
+    if type(opts) is not _A2A_OPTIONS or not _ready(pg, opts) or not _bytes_plain(output) \
+            or not _bytes_plain(input) or output.dtype is not input.dtype \
+            or not input.dim() or not output.dim():
         return None
-    return _run(pg, pg.group.all_to_all_single, _array(output), _array(input),
-                _timeout_s(pg, opts))
+    if not output_split_sizes and not input_split_sizes:
+        if output.numel() != input.numel() or input.shape[0] % n:
+            return None
+        return _run(pg, pg.group.all_to_all_single, _array(output), _array(input), None, None,
+                    _timeout_s(pg, opts))
+    counts = []
+    for t, splits in ((output, output_split_sizes), (input, input_split_sizes)):
+        rows = t.shape[0]
+        if not splits or len(splits) != n or sum(splits) != rows or min(splits) < 0:
+            return None
+        per_row = t.numel() // rows if rows else 0
+        counts.append([r * per_row for r in splits])
+    return _run(pg, pg.group.all_to_all_single, _array(output), _array(input), counts[0],
+                counts[1], _timeout_s(pg, opts))
 
 
 def all_to_all_inline(pg, outputs, inputs, opts):

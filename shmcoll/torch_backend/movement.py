@@ -265,14 +265,17 @@ class MovementMixin:
             outs = list(torch.split(output, out_rows, dim=0))
             return self._device_path([output]).alltoall(outs, ins, opts, [output])
         t_s = self._op_timeout(opts)
-        if len(set(in_rows)) == 1 and in_rows == out_rows and input.numel() == output.numel() \
-                and input.is_contiguous() and output.is_contiguous():
-            # equal blocks: the one-array form (one compiled call where they ride with the
-            # size table); a peer may still pass uneven splits (Group.all_to_all_single)
+        if input.is_contiguous() and output.is_contiguous() and input.dim() and output.dim():
+            # the one-array form (one compiled call where my messages ride with the size
+            # table); peers may pass other splits or the list form (Group.all_to_all_single)
             src, dst = as_array(input, False)[0], as_array(output, False)[0]
+            in_counts = [r * (input.numel() // input.shape[0]) for r in in_rows] \
+                if input.shape[0] else [0] * n
+            out_counts = [r * (output.numel() // output.shape[0]) for r in out_rows] \
+                if output.shape[0] else [0] * n
 
             def run():
-                self.group.all_to_all_single(dst, src, t_s)
+                self.group.all_to_all_single(dst, src, out_counts, in_counts, t_s)
             return self._submit(name, run, [output], opts=opts)
         src = _row_pieces(input, in_rows)
         dst = _row_pieces(output, out_rows)
