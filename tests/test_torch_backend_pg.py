@@ -7,6 +7,7 @@ plain torch arithmetic (support/torch_reference.py); the engine-level tests (cas
 rounding bit for bit.
 """
 
+import contextlib
 import time
 
 import pytest
@@ -353,8 +354,10 @@ def test_errors_at_call_and_in_future():
 
 # ------------------------------------------------- the list forms' latency path (fast.py)
 
-def _list_forms_latency_path(rank, world_size):
-    from shmcoll.torch_backend.compat import OPTIONS_HAVE_ASYNC_OP
+@contextlib.contextmanager
+def _general_path_calls():
+    """The names of the calls that take the default group's general path (its _submit)
+    while the block runs: the latency paths' tests expect none where they apply."""
     pg = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
     general = []
     submit = pg._submit
@@ -364,6 +367,14 @@ def _list_forms_latency_path(rank, world_size):
         return submit(name, *args, **kwargs)
     pg._submit = counted
     try:
+        yield general
+    finally:
+        pg._submit = submit
+
+
+def _list_forms_latency_path(rank, world_size):
+    from shmcoll.torch_backend.compat import OPTIONS_HAVE_ASYNC_OP
+    with _general_path_calls() as general:
         outs = [torch.full((2, 3), -1.0) for _ in range(world_size)]
         dist.all_gather(outs, torch.full((2, 3), float(rank)))
         gathered = [o.tolist() for o in outs]
@@ -383,8 +394,6 @@ def _list_forms_latency_path(rank, world_size):
         dist.all_gather(outs, torch.full((2, 3), float(rank)), async_op=True).wait()
         return (gathered, reduced, latency, refused, list(general), [o.tolist() for o in outs],
                 OPTIONS_HAVE_ASYNC_OP)
-    finally:
-        pg._submit = submit
 
 
 def test_list_all_gather_and_reduce_scatter_take_the_latency_path():
@@ -414,21 +423,13 @@ def _all_to_all_forms(rank, world_size):
     form; rank r sends rank d (d - r) mod ws + 1 rows of 2 floats, except that rank 0 sends
     and receives 2 rows everywhere (so it may omit its splits)."""
     from shmcoll.torch_backend.compat import OPTIONS_HAVE_ASYNC_OP
-    pg = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
-    general = []
-    submit = pg._submit
-
-    def counted(name, *args, **kwargs):
-        general.append(name)
-        return submit(name, *args, **kwargs)
-    pg._submit = counted
     ws = world_size
     rows = [[2 if 0 in (s, d) else (d - s) % ws + 1 for d in range(ws)] for s in range(ws)]
 
     def piece(s, d):
         return torch.arange(rows[s][d] * 2, dtype=torch.float32).view(-1, 2) + 100 * s + 10 * d
 
-    try:
+    with _general_path_calls() as general:
         results = []
         for form in ("single", "splits", "list"):
             src = torch.cat([piece(rank, d) for d in range(ws)])
@@ -447,8 +448,6 @@ def _all_to_all_forms(rank, world_size):
                 dist.all_to_all_single(out, src, [rows[s][rank] for s in range(ws)], rows[rank])
             results.append((call, torch.equal(out, want), len(general) - before))
         return results, OPTIONS_HAVE_ASYNC_OP
-    finally:
-        pg._submit = submit
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -465,15 +464,7 @@ def test_all_to_all_forms_mix_and_take_the_latency_path(world_size):
 
 def _rooted_latency_path(rank, world_size):
     from shmcoll.torch_backend.compat import OPTIONS_HAVE_ASYNC_OP
-    pg = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
-    general = []
-    submit = pg._submit
-
-    def counted(name, *args, **kwargs):
-        general.append(name)
-        return submit(name, *args, **kwargs)
-    pg._submit = counted
-    try:
+    with _general_path_calls() as general:
         root = world_size - 1
         gathered = [torch.full((2, 3), -1.0) for _ in range(world_size)] if rank == root else None
         dist.gather(torch.full((2, 3), float(rank)), gathered, dst=root)
@@ -487,8 +478,6 @@ def _rooted_latency_path(rank, world_size):
                      if rank == 0 else None, src=0, async_op=True).wait()
         return ([g.tolist() for g in gathered] if gathered else None, scattered, latency,
                 out.tolist(), list(general), OPTIONS_HAVE_ASYNC_OP)
-    finally:
-        pg._submit = submit
 
 
 def test_gather_and_scatter_take_the_latency_path():

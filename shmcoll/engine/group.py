@@ -216,8 +216,8 @@ class Group:
         (ONE_STEP_ALL_TO_ALL of uneven pieces: their sizes, per call)."""
         self._seq += 1
         seq = self._seq
-        entry = {"seq": seq, "op": name, "nbytes": plan.nbytes, "state": "started",
-                 "t_start": time.time(), "t_end": None}
+        entry = {"seq": seq, "op": name, "nbytes": plan.nbytes if words is None else src.nbytes,
+                 "state": "started", "t_start": time.time(), "t_end": None}
         self.flight_record.append(entry)
         try:
             i = self._arena.one_step(seq, name, ONE_STEP_ALL_TO_ALL if words is not None

@@ -251,7 +251,8 @@ def _one_step_consume(mode, src, out, srcs, rank, root, plan, pre, post):
     reads its sizes from the plan too). The same work as _consume's for one sub-chunk,
     written out: calling _consume would compile it into the one-step kernel (~0.15 s more
     for a cold first collective). Returns -1, or ONE_STEP_NOT_CONSUMED where it left the
-    work to Python (ONE_STEP_ALL_TO_ALL, a peer's table not the same as mine)."""
+    work to Python (ONE_STEP_ALL_TO_ALL: the group's tables disagree, or some rank's
+    messages did not ride with its table)."""
     nbytes = src.nbytes
     if mode == ONE_STEP_ALL_TO_ALL:  # rank j's message to me (packed after its table,
         world = srcs.shape[0]          # its own skipped) to my out, in rank order

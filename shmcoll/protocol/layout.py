@@ -50,8 +50,9 @@ STREAM_REDUCE, STREAM_GATHER, STREAM_BROADCAST = 0, 1, 2  # what Arena._stream d
 ONE_STEP_REDUCE, ONE_STEP_BROADCAST, ONE_STEP_GATHER, ONE_STEP_REDUCE_SCATTER, \
     ONE_STEP_ALL_TO_ALL = range(5)
 # What the one-step kernel returns when its wait was clean but it left the work after it
-# to Python (ONE_STEP_ALL_TO_ALL: a peer's size table is not the same as mine); none of
-# _exchange_steps' codes (-1 clean, -2 aborted, -3 mismatch, -4 aborted peer, >= 0 late).
+# to Python (ONE_STEP_ALL_TO_ALL: the tables disagree or a rank's messages did not ride);
+# none of _exchange_steps' codes (-1 clean, -2 aborted, -3 mismatch, -4 aborted peer,
+# >= 0 late).
 ONE_STEP_NOT_CONSUMED = -9
 # all_to_all's size table at the start of every rank's slot (algorithms/all_to_all.py and
 # the one-step kernel): A2A_TABLE_WORDS int64 per rank of the group (send sizes, receive

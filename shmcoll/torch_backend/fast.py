@@ -163,10 +163,11 @@ def all_to_all_inline(pg, outputs, inputs, opts):
                 [_array(t) for t in inputs], _timeout_s(pg, opts))
 
 
-def _rooted_inline(pg, singles, lists, opts, options):
-    """(my tensor, the root's list of world_size tensors or None) of a gather or scatter
-    in the options form (the one torch's front end uses), or None: one plain tensor here;
-    at the root, world_size plain tensors of its dtype and shape; elsewhere no list."""
+def _rooted_inline(pg, fn, singles, lists, opts, options):
+    """Run fn(my array, the root's arrays or None, root, timeout) of a gather or scatter
+    in the options form (the one torch's front end uses) inline, or return None: one plain
+    tensor here; at the root, world_size plain tensors of its dtype and shape; elsewhere
+    no list."""
     if type(opts) is not options or type(singles) is not list or len(singles) != 1 \
             or type(lists) is not list or not _ready(pg, opts):
         return None
@@ -174,35 +175,30 @@ def _rooted_inline(pg, singles, lists, opts, options):
     root = opts.rootRank
     if not _bytes_plain(t) or not 0 <= root < pg.group.world_size:
         return None
-    if pg.group.rank != root:
-        return (t, None) if not lists else None
-    if len(lists) != 1 or type(lists[0]) is not list or len(lists[0]) != pg.group.world_size:
-        return None
-    dtype, shape = t.dtype, t.shape
-    for o in lists[0]:
-        if not _bytes_plain(o) or o.dtype is not dtype or o.shape != shape:
+    theirs = None
+    if pg.group.rank == root:
+        if len(lists) != 1 or type(lists[0]) is not list \
+                or len(lists[0]) != pg.group.world_size:
             return None
-    return t, lists[0]
+        dtype, shape = t.dtype, t.shape
+        for o in lists[0]:
+            if not _bytes_plain(o) or o.dtype is not dtype or o.shape != shape:
+                return None
+        theirs = [_array(o) for o in lists[0]]
+    elif lists:
+        return None
+    return _run(pg, fn, _array(t), theirs, root, _timeout_s(pg, opts))
 
 
 def gather_inline(pg, output_lists, inputs, opts):
     """pg.gather(outs, [t], opts) of dist.gather(t, gather_list, dst), or None."""
-    args = _rooted_inline(pg, inputs, output_lists, opts, _GATHER_ROOTED_OPTIONS)
-    if args is None:
-        return None
-    t, outs = args
-    return _run(pg, pg.group.gather, _array(t), outs and [_array(o) for o in outs],
-                opts.rootRank, _timeout_s(pg, opts))
+    return _rooted_inline(pg, pg.group.gather, inputs, output_lists, opts,
+                          _GATHER_ROOTED_OPTIONS)
 
 
 def scatter_inline(pg, outputs, input_lists, opts):
     """pg.scatter([t], ins, opts) of dist.scatter(t, scatter_list, src), or None."""
-    args = _rooted_inline(pg, outputs, input_lists, opts, _SCATTER_OPTIONS)
-    if args is None:
-        return None
-    t, ins = args
-    return _run(pg, pg.group.scatter, _array(t), ins and [_array(i) for i in ins],
-                opts.rootRank, _timeout_s(pg, opts))
+    return _rooted_inline(pg, pg.group.scatter, outputs, input_lists, opts, _SCATTER_OPTIONS)
 
 
 def all_gather_inline(pg, output_lists, inputs, opts):
