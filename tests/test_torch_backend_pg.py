@@ -447,16 +447,24 @@ def _all_to_all_forms(rank, world_size):
                 call = "splits"
                 dist.all_to_all_single(out, src, [rows[s][rank] for s in range(ws)], rows[rank])
             results.append((call, torch.equal(out, want), len(general) - before))
-        return results, OPTIONS_HAVE_ASYNC_OP
+        # same sizes, but the output's dim 0 does not divide: gloo's check, on every rank
+        try:
+            dist.all_to_all_single(torch.zeros(ws + 1, ws), torch.zeros(ws, ws + 1))
+            refused = None
+        except RuntimeError as e:
+            refused = str(e)
+        return results, refused, OPTIONS_HAVE_ASYNC_OP
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_all_to_all_forms_mix_and_take_the_latency_path(world_size):
     """The forms of all_to_all agree with each other whatever each rank passes
     (all_to_all_single with or without splits, the list form), and all of them run inline
-    (no Job) where the torch can say "synchronous"."""
+    (no Job) where the torch can say "synchronous"; an output whose dim 0 does not divide
+    by the group size still gets gloo's error, though the sizes match."""
     results = harness.run_torch_ranks(_all_to_all_forms, world_size, "shm", JOB_TIMEOUT_S)
-    for rank, (rounds, inline) in enumerate(results):
+    for rank, (rounds, refused, inline) in enumerate(results):
+        assert refused and "does not divide equally" in refused, (rank, refused)
         for call, right, jobs in rounds:
             assert right, (rank, call)
             assert jobs == (0 if inline else 1), (rank, call, jobs)

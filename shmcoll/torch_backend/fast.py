@@ -132,7 +132,7 @@ def all_to_all_single_inline(pg, output, input, output_split_sizes, input_split_
             or not input.dim() or not output.dim():
         return None
     if not output_split_sizes and not input_split_sizes:
-        if output.numel() != input.numel() or input.shape[0] % n:
+        if output.numel() != input.numel() or input.shape[0] % n or output.shape[0] % n:
             return None
         return _run(pg, pg.group.all_to_all_single, _array(output), _array(input), None, None,
                     _timeout_s(pg, opts))
@@ -154,6 +154,8 @@ def all_to_all_inline(pg, outputs, inputs, opts):
     n = pg.group.world_size
     if type(opts) is not _A2A_OPTIONS or type(inputs) is not list or len(inputs) != n \
             or type(outputs) is not list or len(outputs) != n or not _ready(pg, opts):
+        return None
+    if not _bytes_plain(inputs[0]):
         return None
     dtype = inputs[0].dtype
     for t in inputs + outputs:
