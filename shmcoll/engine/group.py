@@ -564,23 +564,28 @@ class Group:
         """outs[j] receives rank j's ins[rank]; sizes may differ per pair (must agree)."""
         self._usable("all_to_all")
         src, flats = all_to_all_args(self.world_size, outs, ins)
-        n = self.world_size
         if self._arena is not None:
-            size = src[0].size
-            if all(a.size == size for a in src) and all(f.flat.nbytes == size for f in flats) \
-                    and algorithms.rides(self._arena, [size] * n):
-                # Equal pieces that ride with the size table: staged through a reused array
-                # into the one-array form (one compiled call), then copied out; the same
+            sends = [a.size for a in src]
+            if algorithms.rides(self._arena, sends):
+                # Pieces that ride with the size table: staged through a reused array into
+                # the one-array form (one compiled call), then copied out; the same
                 # collective, whatever form or sizes the peers pass.
-                staged = self._staging(2 * n * size)
-                pieces_in, pieces_out = staged[:n * size], staged[n * size:]
-                for j, a in enumerate(src):
-                    pieces_in[j * size:(j + 1) * size] = a
+                recvs = [f.flat.nbytes for f in flats]
+                staged = self._staging(sum(sends) + sum(recvs))
+                pieces_in, pieces_out = staged[:sum(sends)], staged[sum(sends):]
+                at = 0
+                for a in src:
+                    pieces_in[at:at + a.size] = a
+                    at += a.size
                 dt = flats[0].flat.dtype
+                size = dt.itemsize
                 self.all_to_all_single(pieces_out.view(dt), pieces_in.view(dt),
+                                       [r // size for r in recvs], [s // size for s in sends],
                                        timeout_s=timeout_s)
-                for j, f in enumerate(flats):
-                    as_bytes(f.flat)[:] = pieces_out[j * size:(j + 1) * size]
+                at = 0
+                for f, r in zip(flats, recvs):
+                    as_bytes(f.flat)[:] = pieces_out[at:at + r]
+                    at += r
                     f.write_back()
                 return outs
         self._run("all_to_all", (dtype_code(outs[0]) if outs else 0, 0, 0, 0),
