@@ -41,7 +41,7 @@ def all_to_all_direct(arena, ins, outs):
     i = arena.next_slot()
     mine = arena.claim(i)
     sizes = [a.size for a in ins]
-    ride = head + sum(sizes) - sizes[rank] <= arena.slot_nbytes
+    ride = rides(arena, sizes)
     mine[:A2A_TABLE_WORDS * world * 8].view(np.int64)[:] = sizes + [a.size for a in outs] + (
         [0] * world if ride else [a.ctypes.data for a in ins])
     if ride:
@@ -96,14 +96,14 @@ def rides(arena, sends):
         <= arena.slot_nbytes
 
 
-def _checked_table(arena, i):
-    """Every rank's table row (N lists of 3N ints: sends, receives, addresses) from slot
-    i, checked: the same ValueError on every rank if a send size differs from its
+def _checked_table(arena, i, words=A2A_TABLE_WORDS):
+    """Every rank's table row (N lists of `words` x N ints: sends, receives and, in
+    all_to_all_direct's table, addresses) from slot i, checked: the same ValueError on every rank if a send size differs from its
     receiver's expectation, or a size is negative or absurd (the table is peers' memory).
     Plain Python: for the world sizes of one machine it is several times faster than
     numpy's calls on arrays this small."""
     world = arena.world_size
-    rows = [arena.slot(i, j)[:A2A_TABLE_WORDS * world * 8].view(np.int64).tolist()
+    rows = [arena.slot(i, j)[:words * world * 8].view(np.int64).tolist()
             for j in range(world)]
     for a, row in enumerate(rows):
         for b in range(world):
@@ -149,18 +149,4 @@ def exchange_split_table(arena, sends, recvs):
     arena.post(i)
     arena.wait_all()
     # Every rank checks the whole send/receive matrix, so all ranks raise together.
-    sends = np.stack([arena.slot(i, j)[:world * 8].view(np.int64) for j in range(world)])
-    recvs = np.stack([arena.slot(i, j)[world * 8:2 * world * 8].view(np.int64)
-                      for j in range(world)])
-    bad = np.argwhere(sends != recvs.T)
-    if bad.size:
-        a, b = (int(v) for v in bad[0])
-        raise ValueError(f"all_to_all: rank {a} sends {int(sends[a, b])} bytes to rank {b}, "
-                         f"which expects {int(recvs[b, a])}")
-    # The table is peers' memory, i.e. input: entries not involving this rank were checked
-    # by nobody but their writer, and `longest` sets the chunk count of every rank. Refuse
-    # negative or absurd sizes (same table on every rank -> every rank raises together).
-    if sends.size and (int(sends.min()) < 0 or int(sends.max()) > MAX_MESSAGE_NBYTES):
-        raise ValueError(f"all_to_all: corrupt size table in shared memory (sizes from "
-                         f"{int(sends.min())} to {int(sends.max())} bytes)")
-    return int(sends.max()) if sends.size else 0
+    return max(max(row[:world]) for row in _checked_table(arena, i, 2))

@@ -29,7 +29,7 @@ from ..protocol import ONE_STEP_ALL_TO_ALL
 from ..native import compiled
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError, ShmcollError
 from .group_args import BYTES, all_to_all_args, all_to_all_single_counts, as_bytes, \
-    check_arrays, dtype_code, Flat, shape_word
+    check_arrays, dtype_code, Flat, pieces, shape_word
 from ..native.ops import DTYPE_BY_CODE, ReduceOp, dtype_of, reduce_spec
 
 __all__ = ["Group", "COLLECTIVES"]
@@ -626,11 +626,11 @@ class Group:
                 self._run_one_step(
                     "all_to_all", plan, src, dst, -1, timeout_s,
                     lambda arena, i: algorithms.all_to_all_finish(
-                        arena, i, _pieces(src, sends, n), _pieces(dst, recvs, n)), words)
+                        arena, i, pieces(src, sends, n), pieces(dst, recvs, n)), words)
                 return out
         f = Flat(out, out.dtype, copy_in=False)
-        self.all_to_all(_pieces(f.flat, out_counts, n),
-                        _pieces(np.ascontiguousarray(array).reshape(-1), in_counts, n),
+        self.all_to_all(pieces(f.flat, out_counts, n),
+                        pieces(np.ascontiguousarray(array).reshape(-1), in_counts, n),
                         timeout_s)
         f.write_back()
         return out
@@ -861,13 +861,6 @@ def _local_all_gather_rooted(arena, src, outs, root):
 
 def _local_scatter(arena, pieces, out, root):
     out[:] = pieces[0]
-
-
-def _pieces(flat, counts, n):
-    """The n pieces of 1-D `flat`: of counts[j] elements each, or equal (counts None)."""
-    if counts is None:
-        return np.split(flat, n)
-    return np.split(flat, np.cumsum(counts[:-1])) if n > 1 else [flat]
 
 
 def _local_all_to_all(arena, src, outs):

@@ -86,6 +86,13 @@ def all_to_all_single_counts(world_size, out, array, out_counts=None, in_counts=
     return out_counts, in_counts
 
 
+def pieces(flat, counts, n):
+    """The n pieces of 1-D `flat`: of counts[j] elements each, or equal (counts None)."""
+    if counts is None:
+        return np.split(flat, n)
+    return np.split(flat, np.cumsum(counts[:-1])) if n > 1 else [flat]
+
+
 def all_to_all_args(world_size, outs, ins):
     """all_to_all's checked arguments (the engine's and the hierarchical group's): the
     inputs as contiguous bytes, and a Flat of every output (write_back() after the call)."""

@@ -7,7 +7,7 @@ import numpy as np
 
 from ..engine.group import Group
 from ..engine.group_args import (Flat, all_to_all_args, all_to_all_single_counts, as_bytes,
-                                 check_arrays, dtype_code, shape_word)
+                                 check_arrays, dtype_code, pieces, shape_word)
 from ..native.ops import ReduceOp, dtype_of, reduce_spec
 from . import move, reduce
 
@@ -158,13 +158,8 @@ class Collectives:
         n = self.world_size
         out_counts, in_counts = all_to_all_single_counts(n, out, array, out_counts, in_counts)
         f = Flat(out, out.dtype, copy_in=False)
-        flat_in = np.ascontiguousarray(array).reshape(-1)
-        if in_counts is None:
-            outs, ins = np.split(f.flat, n), np.split(flat_in, n)
-        else:
-            outs = np.split(f.flat, np.cumsum(out_counts[:-1]))
-            ins = np.split(flat_in, np.cumsum(in_counts[:-1]))
-        self.all_to_all(outs, ins, timeout_s)
+        self.all_to_all(pieces(f.flat, out_counts, n),
+                        pieces(np.ascontiguousarray(array).reshape(-1), in_counts, n), timeout_s)
         f.write_back()
         return out
 

@@ -223,6 +223,12 @@ def _write_a2a_table(slot, world, plan):
         store_release(slot + 8 * w, plan[A2A_PLAN_SIZES + w])
     for w in range(2 * world, A2A_TABLE_WORDS * world):
         store_release(slot + 8 * w, _ZERO)
+    return _a2a_head(world)
+
+
+@jit.kernel(nogil=True)
+def _a2a_head(world):
+    """layout.a2a_head_nbytes, compiled: where the messages start after the table."""
     return (A2A_TABLE_WORDS * world * 8 + LINE_NBYTES - 1) // LINE_NBYTES * LINE_NBYTES
 
 
@@ -256,7 +262,7 @@ def _one_step_consume(mode, src, out, srcs, rank, root, plan, pre, post):
     nbytes = src.nbytes
     if mode == ONE_STEP_ALL_TO_ALL:  # rank j's message to me (packed after its table,
         world = srcs.shape[0]          # its own skipped) to my out, in rank order
-        head = (A2A_TABLE_WORDS * world * 8 + LINE_NBYTES - 1) // LINE_NBYTES * LINE_NBYTES
+        head = _a2a_head(world)
         if not _a2a_all_rode(srcs, world, head, plan[A2A_PLAN_SLOT]):
             return ONE_STEP_NOT_CONSUMED
         at = out.ctypes.data

@@ -10,7 +10,7 @@ from ..native.ops import ReduceOp
 from .compat import premul_factor
 
 __all__ = ["as_array", "tensor_array", "plain_array", "engine_dtype", "reduce_op", "timeout_s",
-           "to_seconds", "SUPPORTED_DTYPES"]
+           "to_seconds", "row_counts", "SUPPORTED_DTYPES"]
 
 SUPPORTED_DTYPES = {
     torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
@@ -57,6 +57,12 @@ def as_array(t, for_reduce=True):
         raise TypeError(f"dtype {t.dtype} is not supported for reductions")
     typestr = _TYPESTR.get(t.dtype) or _BYTE_TYPESTR[t.element_size()]
     return tensor_array(t, typestr), name
+
+
+def row_counts(t, rows):
+    """The elements of pieces of `rows` rows each along dim 0 of `t` (dim >= 1)."""
+    per_row = t.numel() // t.shape[0] if t.shape[0] else 0
+    return [r * per_row for r in rows]
 
 
 def tensor_array(t, typestr):

@@ -24,7 +24,7 @@ from torch._C import _distributed_c10d as _c10d
 
 from ..native.ops import ReduceOp
 from .compat import OPTIONS_HAVE_ASYNC_OP
-from .convert import plain_array
+from .convert import plain_array, row_counts
 
 __all__ = ["allreduce_inline", "broadcast_inline", "all_gather_single_inline",
            "all_gather_inline", "reduce_scatter_single_inline", "reduce_scatter_inline",
@@ -141,8 +141,7 @@ def all_to_all_single_inline(pg, output, input, output_split_sizes, input_split_
         rows = t.shape[0]
         if not splits or len(splits) != n or sum(splits) != rows or min(splits) < 0:
             return None
-        per_row = t.numel() // rows if rows else 0
-        counts.append([r * per_row for r in splits])
+        counts.append(row_counts(t, splits))
     return _run(pg, pg.group.all_to_all_single, _array(output), _array(input), counts[0],
                 counts[1], _timeout_s(pg, opts))
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as _c10d
 
 from . import checks
-from .convert import as_array
+from .convert import as_array, row_counts
 from .fast import all_gather_inline, all_gather_single_inline, all_to_all_inline, \
     all_to_all_single_inline, broadcast_inline
 from .pg_args import gloo_value, nested, set_timeout, tensor_list
@@ -269,10 +269,7 @@ class MovementMixin:
             # the one-array form (one compiled call where my messages ride with the size
             # table); peers may pass other splits or the list form (Group.all_to_all_single)
             src, dst = as_array(input, False)[0], as_array(output, False)[0]
-            in_counts = [r * (input.numel() // input.shape[0]) for r in in_rows] \
-                if input.shape[0] else [0] * n
-            out_counts = [r * (output.numel() // output.shape[0]) for r in out_rows] \
-                if output.shape[0] else [0] * n
+            in_counts, out_counts = row_counts(input, in_rows), row_counts(output, out_rows)
 
             def run():
                 self.group.all_to_all_single(dst, src, out_counts, in_counts, t_s)
@@ -344,10 +341,9 @@ def _row_pieces(t, rows):
     (strided: the engine's Flat copies them)."""
     if t.is_contiguous():
         flat = as_array(t, False)[0].reshape(-1)
-        per_row = t.numel() // t.shape[0] if t.shape[0] else 0
         pieces, at = [], 0
-        for r in rows:
-            pieces.append(flat[at:at + r * per_row])
-            at += r * per_row
+        for c in row_counts(t, rows):
+            pieces.append(flat[at:at + c])
+            at += c
         return pieces
     return [as_array(p, False)[0] for p in torch.split(t, rows, dim=0)]
