@@ -46,6 +46,16 @@ def _bytes(t):
         torch.empty(0, dtype=torch.uint8, device=t.device)
 
 
+def _unaliased(srcs, outs):
+    """all_to_all's inputs (contiguous byte tensors), each one that shares memory with one
+    of `outs` cloned: the chunks write every output's slice before the next chunk reads
+    the inputs, so an in-place call (outs[j] is ins[j] with uneven pieces, one tensor as
+    both) would read what it already overwrote."""
+    spans = [(o.data_ptr(), o.data_ptr() + o.numel()) for o in outs if o.numel()]
+    return [t.clone() if t.numel() and any(a < t.data_ptr() + t.numel() and t.data_ptr() < b
+                                           for a, b in spans) else t for t in srcs]
+
+
 class _Buf:
     """A contiguous flat stand-in for tensor `t`: `t` itself when contiguous, else a
     temporary (filled from `t` when `read`), copied back by write_back() when `written`."""
@@ -353,10 +363,10 @@ class DevicePath:
         self.check(name, list(outs) + list(ins))
 
         def run(stream, t_s):
-            src = [_bytes(t.contiguous()) for t in ins]
             bufs = [_Buf(o, read=False) for o in outs]
-            last = self.dg.all_to_all([_bytes(b.flat) for b in bufs], src, _code(outs[0]),
-                                      stream, t_s)
+            dst = [_bytes(b.flat) for b in bufs]
+            src = _unaliased([_bytes(t.contiguous()) for t in ins], dst)
+            last = self.dg.all_to_all(dst, src, _code(outs[0]), stream, t_s)
             for b in bufs:
                 b.write_back()
             return last

@@ -452,19 +452,24 @@ def run_cases(cases):
 
 def assert_rank_results(results, max_lines=20):
     """No rank failed a case, and every shared digest is identical on all ranks."""
-    lines = []
-    for rank, (failures, _) in enumerate(results):
-        lines += [f"rank {rank}: {f}" for f in failures]
+    def fail_on(lines):
+        if lines:
+            more = f"\n... and {len(lines) - max_lines} more" if len(lines) > max_lines else ""
+            raise AssertionError(f"{len(lines)} failures:\n" + "\n".join(lines[:max_lines])
+                                 + more)
+
+    # first the failures: a case that failed on some ranks only has no digest there
+    fail_on([f"rank {rank}: {f}" for rank, (failures, _) in enumerate(results)
+             for f in failures])
     names = results[0][1].keys()
+    lines = []
     for name in names:
         values = {rank: d[name] for rank, (_, d) in enumerate(results) if d.get(name) is not None}
         if len(set(values.values())) > 1:
             lines.append(f"{name}: ranks got different bytes: {values}")
     for rank, (_, d) in enumerate(results):
         assert d.keys() == names, f"rank {rank} ran different cases"
-    if lines:
-        more = f"\n... and {len(lines) - max_lines} more" if len(lines) > max_lines else ""
-        raise AssertionError(f"{len(lines)} failures:\n" + "\n".join(lines[:max_lines]) + more)
+    fail_on(lines)
     return sum(len(d) for _, d in results[:1])
 
 

@@ -229,6 +229,15 @@ def check_all_to_all(rank, world_size, nodes):
     dist.all_to_all(outs, ins)
     for r in range(world_size):
         assert torch.all(outs[r] == r * 100 + rank), f"all_to_all from {r}"
+    # in place, uneven (rank s sends 3 + 2 ((d - s) mod n) elements to rank d): blocks move
+    # within the one tensor, and the inter-node round sends after the intra-node one wrote
+    n = world_size
+    sends = [3 + 2 * ((j - rank) % n) for j in range(n)]
+    recvs = [3 + 2 * ((rank - j) % n) for j in range(n)]
+    t = torch.cat([torch.full((c,), float(rank * 100 + j)) for j, c in enumerate(sends)])
+    dist.all_to_all_single(t, t, recvs, sends)
+    want = torch.cat([torch.full((c,), float(j * 100 + rank)) for j, c in enumerate(recvs)])
+    assert torch.equal(t, want), f"all_to_all_single in place: {t.tolist()}"
     dist.barrier()
 
 

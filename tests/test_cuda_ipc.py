@@ -313,7 +313,7 @@ def test_factories_in_the_backend_name_their_device():
 
 def _large(rank, ws):
     """Messages of many chunks (4 KiB slots): all_reduce in bf16 and f32, reduce_scatter,
-    all_gather, all_to_all with uneven splits, results exact."""
+    all_gather, all_to_all with uneven splits (also in place), results exact."""
     n = 3 * 4096 + 7
     for dtype in (torch.float32, torch.bfloat16, torch.int64):
         x = torch.arange(n, dtype=torch.int64) % 13
@@ -336,6 +336,15 @@ def _large(rank, ws):
     dist.all_to_all_single(out, inp, recvs, sends)
     want = torch.cat([torch.full((r,), float(j * 10 + rank)) for j, r in enumerate(recvs)])
     assert_same(out, want, "all_to_all_single uneven")
+    # in place, uneven: rank s sends 1000 + 600 ((d - s) mod ws) to rank d, so input and
+    # output have one length but each piece lands at another offset than it left from,
+    # and the chunks would overwrite bytes not yet sent
+    sends = [1000 + 600 * ((j - rank) % ws) for j in range(ws)]
+    recvs = [1000 + 600 * ((rank - j) % ws) for j in range(ws)]
+    t = torch.cat([torch.full((s,), float(rank * 10 + j)) for j, s in enumerate(sends)])
+    dist.all_to_all_single(t, t, recvs, sends)
+    want = torch.cat([torch.full((r,), float(j * 10 + rank)) for j, r in enumerate(recvs)])
+    assert_same(t, want, "all_to_all_single uneven, in place")
     return True
 
 

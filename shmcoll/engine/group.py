@@ -29,7 +29,7 @@ from ..protocol import ONE_STEP_ALL_TO_ALL
 from ..native import compiled
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError, ShmcollError
 from .group_args import BYTES, all_to_all_args, all_to_all_single_counts, as_bytes, \
-    check_arrays, dtype_code, Flat, pieces, shape_word
+    check_arrays, dtype_code, Flat, pieces, shape_word, unaliased
 from ..native.ops import DTYPE_BY_CODE, ReduceOp, dtype_of, reduce_spec
 
 __all__ = ["Group", "COLLECTIVES"]
@@ -588,10 +588,14 @@ class Group:
                     at += r
                     f.write_back()
                 return outs
+        dst = [as_bytes(f.flat) for f in flats]
+        # peers may read my inputs where they lie while I write my outputs (single copy),
+        # or my own later chunks read what an earlier one wrote: an in-place call's inputs
+        # are copied first (the staged branch above copied them already)
+        src = unaliased(src, dst)
         self._run("all_to_all", (dtype_code(outs[0]) if outs else 0, 0, 0, 0),
                   _local_all_to_all if self._arena is None else self._select("all_to_all", 0),
-                  src, [as_bytes(f.flat) for f in flats], timeout_s=timeout_s,
-                  nbytes=sum(s.size for s in src))
+                  src, dst, timeout_s=timeout_s, nbytes=sum(s.size for s in src))
         for f in flats:
             f.write_back()
         return outs
@@ -622,6 +626,8 @@ class Group:
                 ride = algorithms.rides(self._arena, sends)
                 words = np.array(plan.head + sends + recvs, np.int64)
             if ride:
+                if in_counts is not None and np.may_share_memory(out, array):
+                    array = array.copy()  # in place: my own piece may move within `out`
                 src, dst = as_bytes(array), as_bytes(out)
                 self._run_one_step(
                     "all_to_all", plan, src, dst, -1, timeout_s,

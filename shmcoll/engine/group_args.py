@@ -93,9 +93,21 @@ def pieces(flat, counts, n):
     return np.split(flat, np.cumsum(counts[:-1])) if n > 1 else [flat]
 
 
+def unaliased(srcs, outs):
+    """`srcs` (all_to_all's inputs), each one that shares memory with one of `outs` replaced
+    by a private copy. An in-place call (`dist.all_to_all_single(t, t)`, outs[j] is
+    ins[j], pieces of one buffer) would otherwise overwrite inputs that are still to be
+    read: by peers reading my buffer where it lies (single copy) while I write my outputs,
+    or by a later step of my own (the chunked steps, the hierarchical group's rounds).
+    np.may_share_memory compares bounds only (~0.3 us a pair), so a strided view that
+    interleaves with an output without touching it is copied too."""
+    return [a.copy() if any(np.may_share_memory(a, o) for o in outs) else a for a in srcs]
+
+
 def all_to_all_args(world_size, outs, ins):
     """all_to_all's checked arguments (the engine's and the hierarchical group's): the
-    inputs as contiguous bytes, and a Flat of every output (write_back() after the call)."""
+    inputs as contiguous bytes, and a Flat of every output (write_back() after the call).
+    The inputs may still be the outputs' memory: see unaliased()."""
     if len(ins) != world_size or len(outs) != world_size:
         raise ValueError(f"all_to_all: expected {world_size} inputs and outputs, got "
                          f"{len(ins)} and {len(outs)}")

@@ -7,7 +7,7 @@ import numpy as np
 
 from ..engine.group import Group
 from ..engine.group_args import (Flat, all_to_all_args, all_to_all_single_counts, as_bytes,
-                                 check_arrays, dtype_code, pieces, shape_word)
+                                 check_arrays, dtype_code, pieces, shape_word, unaliased)
 from ..native.ops import ReduceOp, dtype_of, reduce_spec
 from . import move, reduce
 
@@ -144,9 +144,10 @@ class Collectives:
         """outs[j] receives rank j's ins[rank]; sizes may differ per pair (must agree)."""
         self._usable("all_to_all")
         src, flats = all_to_all_args(self.world_size, outs, ins)
+        dst = [as_bytes(f.flat) for f in flats]
+        src = unaliased(src, dst)  # the rounds write outputs before later ones send
         self.run("all_to_all", (dtype_code(outs[0]) if outs else 0, 0, 0, 0, 0),
-                 move.all_to_all,
-                 [as_bytes(f.flat) for f in flats], src, timeout_s=timeout_s,
+                 move.all_to_all, dst, src, timeout_s=timeout_s,
                  nbytes=sum(s.size for s in src))
         for f in flats:
             f.write_back()
