@@ -52,7 +52,8 @@ def all_gather_single_copy(arena, inp, outs):
         return
     addrs = arena.exchange_buffer(inp)
     rank, size = arena.rank, inp.nbytes
-    outs[rank * size:(rank + 1) * size] = inp
+    if outs.ctypes.data + rank * size != addrs[rank]:  # else in place: already there
+        outs[rank * size:(rank + 1) * size] = inp
     peers = np.array([p for p in range(arena.world_size) if p != rank], np.int64)
     arena.gather_peers(peers, addrs[peers], outs.ctypes.data + peers * size,
                        np.full(peers.size, size, np.int64))

@@ -272,7 +272,8 @@ def _one_step_consume(mode, src, out, srcs, rank, root, plan, pre, post):
                 mine = src.ctypes.data
                 for d in range(rank):
                     mine += plan[A2A_PLAN_SIZES + d]
-                copy_bytes(at, mine, n)
+                if mine != at:  # in place (equal pieces): my piece is already there
+                    copy_bytes(at, mine, n)
             else:
                 theirs = srcs[j] + head
                 for k in range(rank):
@@ -284,10 +285,13 @@ def _one_step_consume(mode, src, out, srcs, rank, root, plan, pre, post):
         if nbytes > 0:  # my own contribution from src: see _consume
             call_reduce(plan[7], src.ctypes.data, srcs.ctypes.data, srcs.shape[0], 0, rank,
                         nbytes, plan[6], pre, post)
-    elif mode == ONE_STEP_GATHER:  # rank j's copy to out[j * nbytes:]; mine from src
-        for j in range(srcs.shape[0]):
-            copy_bytes(out.ctypes.data + j * nbytes, src.ctypes.data if j == rank else srcs[j],
-                       nbytes)
+    elif mode == ONE_STEP_GATHER:  # rank j's copy to out[j * nbytes:]; mine from src,
+        for j in range(srcs.shape[0]):  # unless src is that block (in place: FSDP2's)
+            at = out.ctypes.data + j * nbytes
+            if j != rank:
+                copy_bytes(at, srcs[j], nbytes)
+            elif at != src.ctypes.data:
+                copy_bytes(at, src.ctypes.data, nbytes)
     elif mode == ONE_STEP_REDUCE_SCATTER:  # block `rank` of every rank's slot
         if out.nbytes > 0:
             call_reduce(plan[7], out.ctypes.data, srcs.ctypes.data, srcs.shape[0],
@@ -483,7 +487,8 @@ def _consume(mode, src, byte_offset, nbytes, srcs, ring, rank, root, fn, op, pre
     sub-slot: the same bytes (I copied them there), but still in cache from the copy-in,
     so only the peers' sub-slots cost a cross-core transfer (one read less per byte from
     memory for large messages). STREAM_GATHER: rank j's copy goes to
-    out[j * stride + out_offset:][:nbytes]; mine straight from src, for the same reason.
+    out[j * stride + out_offset:][:nbytes]; mine straight from src, for the same reason, or
+    not at all where src is that block of out (in place: FSDP2's all_gather).
     STREAM_BROADCAST: a non-root copies the root's sub-slot into src[chunk]."""
     if mode == STREAM_BROADCAST:
         if rank != root:
@@ -496,7 +501,7 @@ def _consume(mode, src, byte_offset, nbytes, srcs, ring, rank, root, fn, op, pre
         return
     base = out.ctypes.data + out_offset
     for j in range(srcs.shape[0]):
-        if j == rank:
-            copy_bytes(base + j * stride, src.ctypes.data + byte_offset, nbytes)
-        else:
+        if j != rank:
             copy_bytes(base + j * stride, srcs[j] + ring, nbytes)
+        elif base + j * stride != src.ctypes.data + byte_offset:  # else in place
+            copy_bytes(base + j * stride, src.ctypes.data + byte_offset, nbytes)
