@@ -138,6 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--threads", type=int, default=1, help="torch.set_num_threads per rank (default 1)")
     a("--check-all", dest="check_all", action="store_true",
       help="verify after every timed iteration, not only after warmup and the last one")
+    a("--fresh-inputs", dest="fresh_inputs", action="store_true",
+      help="rewrite every rank's input before each call (outside the clock), as a training "
+           "step's new data; by default inputs are written once (as in nccl-tests), so a "
+           "peer that reads them where they lie (Open MPI's CMA) rereads unchanged bytes, "
+           "still cached up to a few MiB")
     a("--quick", action="store_true",
       help="preset: all_reduce, world size 2, sizes 8,64K,1M,16M, then a ratio table")
     a("--latency", action="store_true", help="preset: sizes 8,1K,64K, -n 500 -w 50")

@@ -135,7 +135,8 @@ class Buffers:
 
     ``inp``/``out`` are what the collective is called with (the same tensor for in-place
     ops). ``pristine`` is a copy of the input that ``reset`` restores into ``inp`` before
-    every iteration (in-place ops destroy their input); otherwise ``reset`` poisons ``out``.
+    every iteration (in-place ops destroy their input; with --fresh-inputs every op's input
+    is rewritten so); ``reset`` poisons ``out`` unless it is the restored input.
     ``expected`` is what ``out`` must equal afterwards, or None if this rank has nothing to
     check (non-root ranks of reduce).
     """
@@ -149,7 +150,7 @@ class Buffers:
     def reset(self) -> None:
         if self.pristine is not None:
             self.inp.copy_(self.pristine)
-        else:
+        if self.pristine is None or self.out is not self.inp:
             self.out.fill_(poison_value(self.out.dtype))
 
     def corrupt(self) -> None:

@@ -128,7 +128,7 @@ def make_header(args) -> dict:
         "settings": {k: getattr(args, k) for k in (
             "backends", "world_sizes", "ops", "sizes", "dtype", "iters", "warmup", "rounds",
             "iter_bytes", "min_iters", "threads", "root", "seed", "rendezvous", "check_all",
-            "timeout", "init_timeout", "stall_timeout")},
+            "fresh_inputs", "timeout", "init_timeout", "stall_timeout")},
         **({"mpirun": find_mpirun(args.mpirun), "mpirun_args": args.mpirun_args}
            if MPI4PY in args.backends else {}),
     }
@@ -147,7 +147,8 @@ def format_header(h: dict) -> str:
         f"# settings   : dtype={s['dtype']} iters<={s['iters']} warmup<={s['warmup']} "
         f"iter_bytes={human(s['iter_bytes'])} min_iters={s['min_iters']} "
         f"threads/rank={s['threads']} rendezvous={s['rendezvous']} root={s['root']} "
-        f"seed={s['seed']} rounds={s.get('rounds', 1)}",
+        f"seed={s['seed']} rounds={s.get('rounds', 1)}"
+        + (" inputs=fresh (rewritten before every call)" if s.get("fresh_inputs") else ""),
         *([f"# mpi4py     : {h.get('mpirun') or 'mpirun not found'} --allow-run-as-root "
            f"--oversubscribe -n N {h.get('mpirun_args')}"] if "mpirun_args" in h else []),
         "# time_us    : per-iteration wall time; median over iterations on each rank, max over "

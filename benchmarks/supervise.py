@@ -170,5 +170,6 @@ def _rank_cfg(backend, world_size, rundir, args, **extra) -> dict:
         ops=args.ops, sizes=args.sizes, dtype=args.dtype, iters=args.iters,
         warmup=args.warmup, iter_bytes=args.iter_bytes, min_iters=args.min_iters,
         seed=args.seed, root=args.root, threads=args.threads, check_all=args.check_all,
+        fresh_inputs=getattr(args, "fresh_inputs", False),
         inject_error=args.inject_error, device=args.device,
         env=device_mod.rank_env(args.device, backend)), **extra}

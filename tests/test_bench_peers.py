@@ -306,3 +306,37 @@ def test_nccl_on_a_shared_gpu_is_skipped_with_its_reason_before_nccl_2_30(tmp_pa
                      "reason": why}]
     assert bench.main(["--load", str(out)]) == 0
     assert "skipped: NCCL 2.28.9 refuses" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------
+# --fresh-inputs
+# ---------------------------------------------------------------------------------------
+def test_fresh_inputs_reset_rewrites_the_input_and_poisons_the_output():
+    """What --fresh-inputs makes of a non-in-place op's buffers (benchmarks.ranks): reset()
+    writes the input back from its copy and still poisons the output."""
+    import torch
+
+    from benchmarks import collectives
+    buf = collectives.get("all_gather").build(8, 0, 2, torch.float32, 0)
+    buf.pristine = buf.inp.clone()
+    want = buf.inp.clone()
+    buf.inp.fill_(-5.0)
+    buf.out.fill_(7.0)
+    buf.reset()
+    assert torch.equal(buf.inp, want)
+    assert torch.isnan(buf.out).all()  # float32's poison
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("backend", ["shm", pytest.param("mpi4py", marks=needs_mpi)])
+def test_fresh_inputs_rows_verified(tmp_path, backend):
+    code, rows, errors = _run(tmp_path, "--backends", backend, "--world-sizes", "2",
+                              "--ops", "all_gather,reduce_scatter,all_to_all", "-b", "64",
+                              "-e", "64K", "-f", "1024", "-n", "3", "--fresh-inputs")
+    assert not errors, json.dumps(errors, indent=1)
+    assert code == bench.EXIT_OK
+    assert [(r["op"], r["nbytes"]) for r in rows] == [
+        (op, nb) for op in ("all_gather", "reduce_scatter", "all_to_all") for nb in (64, 65536)]
+    assert all(r["wrong"] == 0 for r in rows)
+    header = bench.load_jsonl(tmp_path / "bench.jsonl")[0]
+    assert header["settings"]["fresh_inputs"] is True
