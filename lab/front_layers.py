@@ -26,12 +26,13 @@ from benchmarks.sizes import parse_size
 
 __all__ = ["main"]
 
-OPS = ("all_reduce", "broadcast", "all_gather")
+OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all")
 LAYERS = ("engine", "adapter inline", "C++ ProcessGroup", "dist.*")
 
 
 def _layers(op, pg, default, t, out):
-    """The four callables of `op` on tensor `t` (and `out` for all_gather)."""
+    """The four callables of `op` on tensor `t` (and `out` for all_gather, reduce_scatter
+    and all_to_all)."""
     import torch.distributed as dist
     from torch._C import _distributed_c10d as c10d
 
@@ -55,6 +56,22 @@ def _layers(op, pg, default, t, out):
         return (lambda: g.broadcast(a, 0), lambda: fast.broadcast_inline(pg, [t], opts),
                 lambda: waited(default.broadcast([t], opts)), lambda: dist.broadcast(t, 0))
     o = plain_array(out)
+    if op == "reduce_scatter":  # t: the input (world x out)
+        opts = c10d.ReduceScatterOptions()
+        opts.asyncOp = False
+        return (lambda: g.reduce_scatter(o, a),
+                lambda: fast.reduce_scatter_single_inline(pg, out, t, opts),
+                lambda: waited((getattr(default, "reduce_scatter_single", None)
+                                or default._reduce_scatter_base)(out, t, opts)),
+                lambda: (getattr(dist, "reduce_scatter_single", None)
+                         or dist.reduce_scatter_tensor)(out, t))
+    if op == "all_to_all":
+        opts = c10d.AllToAllOptions()
+        opts.asyncOp = False
+        return (lambda: g.all_to_all_single(o, a),
+                lambda: fast.all_to_all_single_inline(pg, out, t, [], [], opts),
+                lambda: waited(default.alltoall_base(out, t, [], [], opts)),
+                lambda: dist.all_to_all_single(out, t))
     opts = c10d.AllgatherOptions()
     opts.asyncOp = False
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -76,16 +93,21 @@ def _rank(rank, world, store, args, queue):
     for op in args.ops:
         for nbytes in args.sizes:
             n = max(1, nbytes // 4)
-            t = torch.full((n,), float(rank + 1))
-            out = torch.empty(n * world)
+            n -= n % world if op == "all_to_all" and n >= world else 0
+            t = torch.full((n * world if op == "reduce_scatter" else n,), float(rank + 1))
+            out = torch.empty(n if op in ("reduce_scatter", "all_to_all") else n * world)
             layers = _layers(op, pg, default, t, out)
             for f in layers:
                 for _ in range(args.calls):
                     f()
             t.fill_(float(rank + 1))
             layers[-1]()  # the values, once: every layer ran the same collective
-            want = {"all_reduce": world * (world + 1) / 2, "broadcast": 1.0}.get(op)
-            got = [float(t[0])] if op != "all_gather" else [float(out[j * n]) for j in range(world)]
+            want = {"all_reduce": world * (world + 1) / 2, "broadcast": 1.0,
+                    "reduce_scatter": world * (world + 1) / 2}.get(op)
+            got = [float(out[0])] if op == "reduce_scatter" else \
+                [float(out[j * n]) for j in range(world)] if op == "all_gather" else \
+                [float(out[j * (n // world)]) for j in range(world)] if op == "all_to_all" \
+                else [float(t[0])]
             ok = got == ([want] if want is not None else [j + 1.0 for j in range(world)])
             times = {name: [] for name in LAYERS}
             for block in range(args.blocks):

@@ -187,6 +187,13 @@ def check_all_gather(rank, world_size, nodes):
             want = torch.arange(count, dtype=torch.float64) + 1000 * r
             assert torch.equal(outs[r], want) and torch.equal(whole[r * count:(r + 1) * count],
                                                               want), f"all_gather {count}"
+        # in place, as FSDP2 calls it: the input is this rank's block of the output
+        whole = torch.zeros(world_size * count, dtype=torch.float64)
+        whole[rank * count:(rank + 1) * count] = mine
+        dist.all_gather_into_tensor(whole, whole[rank * count:(rank + 1) * count])
+        assert torch.equal(whole, torch.cat([torch.arange(count, dtype=torch.float64) + 1000 * r
+                                             for r in range(world_size)])), \
+            f"all_gather in place {count}"
     got = [None] * world_size
     dist.all_gather_object(got, ("rank", rank, "x" * rank))
     assert got == [("rank", r, "x" * r) for r in range(world_size)]

@@ -94,6 +94,10 @@ def _reduce_scatter_own_block(group, count):
     group.reduce_scatter(out, buf)
     np.testing.assert_array_equal(out, sum(_value(s, rank, count) for s in range(ws)),
                                   err_msg="reduce_scatter(in[rank block], in)")
+    blocks = [_value(rank, d, count) for d in range(ws)]
+    group.reduce_scatter(blocks[rank], blocks)  # the list form, into its own input
+    np.testing.assert_array_equal(blocks[rank], sum(_value(s, rank, count) for s in range(ws)),
+                                  err_msg="reduce_scatter(ins[rank], ins)")
 
 
 def _gather_scatter_own_block(group, count):
