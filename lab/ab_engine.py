@@ -10,8 +10,9 @@ The base revision is exported (git archive) and imported as package `shmcoll_ab_
 (its torch registration skipped); this tree is `shmcoll`. Each rank makes one group per
 version (own segments and rendezvous) and runs, per op of `--ops`, Group.all_reduce,
 Group.broadcast (root 0), Group.all_gather (into one array, all_gather_into_tensor's
-form) or Group.all_to_all (equal pieces: views of one input and one output array, as the
-adapter's all_to_all_single passes them) on float32 buffers allocated by torch (on 4 KiB pages, as dist.*'s tensors; the
+form), Group.all_to_all (the list form: equal pieces, views of one input and one output
+array) or Group.all_to_all_single (one input and one output array, equal pieces, as the
+adapter passes dist.all_to_all_single's tensors) on float32 buffers allocated by torch (on 4 KiB pages, as dist.*'s tensors; the
 groups are told so), verified after every block. Sizes are per rank (all_gather: the
 input). Per op and size: the median over blocks of each version's per-call time (a block:
 `--calls` calls, timed as a whole, slowest rank), their ratio (B / A below 1: this tree is
@@ -75,13 +76,13 @@ def _op_times(op, nbytes, rank, groups, args, torch):
     """{"A": [...], "B": [...]}: per-call seconds of each block of `op` at `nbytes`."""
     buf = torch.empty(nbytes // 4).numpy()
     outs = torch.empty(2 * buf.size).numpy() if op == "all_gather" else \
-        torch.empty(buf.size).numpy() if op == "all_to_all" else None
+        torch.empty(buf.size).numpy() if op.startswith("all_to_all") else None
     half = buf.size // 2
 
     def fill():
         buf[:] = 1.0 if op == "all_reduce" else (rank + 1 if op == "all_gather" else
                                                   (3.0 if rank == 0 else 0.0))
-        if op == "all_to_all":  # rank r's piece for rank j: 10 r + j
+        if op.startswith("all_to_all"):  # rank r's piece for rank j: 10 r + j
             buf[:half], buf[half:] = 10.0 * rank, 10.0 * rank + 1
         if outs is not None:
             outs[:] = -1.0
@@ -93,8 +94,10 @@ def _op_times(op, nbytes, rank, groups, args, torch):
             g.broadcast(buf, 0)
         elif op == "all_gather":
             g.all_gather(outs, buf)
-        else:
+        elif op == "all_to_all":
             g.all_to_all([outs[:half], outs[half:]], [buf[:half], buf[half:]])
+        else:
+            g.all_to_all_single(outs, buf)
 
     def check(name):
         if op == "all_reduce":
@@ -131,14 +134,16 @@ def main(argv=None):
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--base", required=True, help="git revision (version A)")
     ap.add_argument("--ops", default="all_reduce",
-                    help="comma list of all_reduce, broadcast, all_gather, all_to_all")
+                    help="comma list of all_reduce, broadcast, all_gather, all_to_all, "
+                         "all_to_all_single")
     ap.add_argument("--sizes", default="8,1M,16M")
     ap.add_argument("--blocks", type=int, default=30, help="blocks per version and size")
     ap.add_argument("--calls", type=int, default=10, help="calls per block")
     args = ap.parse_args(argv)
     args.sizes = [_parse_size(s) for s in args.sizes.split(",")]
     args.ops = [o.strip() for o in args.ops.split(",") if o.strip()]
-    bad = set(args.ops) - {"all_reduce", "broadcast", "all_gather", "all_to_all"}
+    bad = set(args.ops) - {"all_reduce", "broadcast", "all_gather", "all_to_all",
+                           "all_to_all_single"}
     if bad:
         ap.error(f"unknown ops {sorted(bad)}")
     import torch.multiprocessing as mp

@@ -203,3 +203,29 @@ def test_all_to_all_multi_mib_default_slot(kind, seed):
     results = harness.run_ranks(_multi_mib, 3, kind, timeout_s=JOB_TIMEOUT_S, args=(seed,),
                                 env={"SHMCOLL_SLOT_BYTES": None})
     assert_rank_results(results)
+
+
+@group_cases
+def _streamed_in_python(group, rank, world_size, seed):
+    """The streamed steps (pieces that do not ride) with the compiled wait tiers off: every
+    step whose peer has not posted yet goes back to Python (Arena._settle), which finishes
+    the wait, consumes the step and resumes the kernel after it."""
+    arena = group._arena
+    arena._spins, arena._yield_ns = 0, 0
+
+    def case(count, dtype, uneven):
+        if uneven:
+            return functools.partial(_single_uneven, group, count, dtype, seed)
+        return functools.partial(_single, group, count, dtype, seed, "contig")
+    return [(case_name("all_to_all_single, Python waits", count=count, dtype=dtype,
+                       uneven=uneven), case(count, dtype, uneven))
+            for count, dtype, uneven in ((70001, "float32", False), (40000, "int64", True),
+                                         (3, "int16", False))]
+
+
+@pytest.mark.parametrize("single_copy", ["auto", "off"])
+def test_all_to_all_streamed_steps_finished_in_python(kind, seed, single_copy):
+    results = harness.run_ranks(_streamed_in_python, 2, kind, timeout_s=JOB_TIMEOUT_S,
+                                args=(seed,), env=dict(SMALL_SLOT_ENV,
+                                                       SHMCOLL_SINGLE_COPY=single_copy))
+    assert_rank_results(results)

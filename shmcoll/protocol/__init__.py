@@ -630,6 +630,35 @@ class Arena:
                 self._clock.posted(step0 + nsub)
                 return
 
+    def exchange_all_to_all(self, i, ins, sends, outs, recvs, ring0, sub, nsub):
+        """all_to_all's pieces after its table step, streamed through slot i (the table
+        step's: its first ring0 bytes, the table, stay for the peers to read): step k
+        carries bytes [k * sub, (k + 1) * sub) of every piece, packed by receiver into a
+        ring of STREAM_RING sub-slots of world_size x sub bytes, so that each is read from
+        the writer's cache, as in _stream. `ins` / `outs`: int64 addresses of my pieces
+        (sends[d] / recvs[j] bytes, in my address space); nsub: the group's longest piece
+        over sub (the same on every rank: from the table)."""
+        pk = compiled.protocol_kernels
+        jit.once(_STREAM, pk._warm_stream)
+        step0 = self._clock.step
+        self._clock.hold(i, step0 + nsub + 1)
+        srcs, dst = self._slot_addrs[i], self._slot_addr_mine[i]
+        _, _, peer_fp = self._fp_args()
+        k = 0
+        while True:
+            done, r = pk._a2a_stream_kernel(
+                ins, sends, outs, recvs, sub, nsub, k, dst, ring0, self._seq_addr,
+                self.frame.seq, self._posted_addr, step0, self._peer_posted, peer_fp,
+                self._peer_state, self._spins, self._yield_ns, self._state_addr, srcs,
+                self.rank, self._gil_addr, self._gil_me, _NO_BYTES)
+            if self._settle(step0, nsub, done, r, 0):
+                return
+            pk._a2a_stream_consume(done, ins, outs, recvs, sub, srcs, ring0, self.rank)
+            k = done + 1
+            if k >= nsub:
+                self._clock.posted(step0 + nsub)
+                return
+
     def _settle(self, step0, nsteps, done, r, fp_addr):
         """After a multi-step kernel (_stream, exchange_reduce_two_shot) returned (done, r):
         True when all `nsteps` steps were exchanged and consumed (r == -1). Else step

@@ -113,6 +113,9 @@ def _warm_stream():
     _stream_kernel(STREAM_REDUCE, a, 0, 0, 64, 0, 0, 0, *fp, w, 0, w + 8, 0, none, none, none,
                    0, 0, w + 16, True, srcs, 0, -1, 0, 0, 1.0, 1.0, _NO_BYTES, 0, 0)
     _consume(STREAM_REDUCE, a, 0, 0, srcs, 0, 0, -1, 0, 0, 1.0, 1.0, _NO_BYTES, 0, 0)
+    _a2a_stream_kernel(none, none, none, none, 64, 0, 0, 0, 0, w, 0, w + 8, 0, none, none,
+                       none, 0, 0, w + 16, srcs, 0, 0, 0, _NO_BYTES)
+    _a2a_stream_consume(0, none, none, none, 64, srcs, 0, 0)
 
 
 def _warm_two_shot():
@@ -420,6 +423,55 @@ def _stream_kernel(mode, src, byte_offset, nbytes, sub, k0, dst, fp_addr, f0, f1
                  off, nbytes)
     _gil_leave(gil_addr, gil_me, _DONE, spins)
     return nsub, -1
+
+
+@jit.kernel(nogil=True)
+def _a2a_stream_kernel(ins, sends, outs, recvs, sub, nsub, k0, dst, ring0, seq_addr, seq,
+                       posted_addr, step0, peer_posted, peer_fp, peer_state, spins, yield_ns,
+                       abort_addr, srcs, rank, gil_addr, gil_me, nothing):
+    """Arena.exchange_all_to_all's body from step k0 on: for each step k, bytes
+    [k * sub, (k + 1) * sub) of my piece to every peer d (at address ins[d], sends[d] bytes
+    long) into sub-slot d of ring slot k % STREAM_RING (ring0 bytes into my slot at `dst`),
+    post step0 + k + 1, wait (no fingerprint: the table step checked it), then
+    _a2a_stream_consume. Returns (k, code) like _stream_kernel."""
+    world = srcs.shape[0]
+    _gil_enter(gil_addr, gil_me)
+    for k in range(k0, nsub):
+        off = k * sub
+        ring = dst + ring0 + k % STREAM_RING * world * sub
+        for d in range(world):
+            m = min(sub, sends[d] - off)
+            if d != rank and m > 0:
+                copy_bytes(ring + d * sub, ins[d] + off, m)
+        r = _exchange_steps(nothing, _ZERO, _ZERO, ring, _ZERO, _ZERO, _ZERO, _ZERO, _ZERO,
+                            _ZERO, _ZERO, _ZERO, _ZERO, seq_addr, seq, posted_addr,
+                            step0 + k + 1, peer_posted, peer_fp, peer_state, spins, yield_ns,
+                            abort_addr, False)
+        if r != -1:
+            _gil_leave(gil_addr, gil_me, r, spins)
+            return k, r
+        _a2a_stream_consume(k, ins, outs, recvs, sub, srcs, ring0, rank)
+    _gil_leave(gil_addr, gil_me, _DONE, spins)
+    return nsub, -1
+
+
+@jit.kernel(nogil=True)
+def _a2a_stream_consume(k, ins, outs, recvs, sub, srcs, ring0, rank):
+    """Step k's work after its wait: bytes [k * sub, (k + 1) * sub) of every rank j's piece
+    to me, from sub-slot `rank` of its ring slot k % STREAM_RING into outs[j] (recvs[j]
+    bytes long), mine straight from ins[rank] (nothing where it is already there: in
+    place)."""
+    world = srcs.shape[0]
+    off = k * sub
+    at = ring0 + k % STREAM_RING * world * sub + rank * sub
+    for j in range(world):
+        m = min(sub, recvs[j] - off)
+        if m <= 0:
+            continue
+        if j != rank:
+            copy_bytes(outs[j] + off, srcs[j] + at, m)
+        elif outs[j] != ins[j]:
+            copy_bytes(outs[j] + off, ins[j] + off, m)
 
 
 @jit.kernel(nogil=True)
