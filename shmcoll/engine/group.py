@@ -566,10 +566,13 @@ class Group:
         src, flats = all_to_all_args(self.world_size, outs, ins)
         if self._arena is not None:
             sends = [a.size for a in src]
-            if algorithms.rides(self._arena, sends):
+            if sum(sends) <= algorithms.LIST_STAGED_MAX_NBYTES and \
+                    algorithms.rides(self._arena, sends):
                 # Pieces that ride with the size table: staged through a reused array into
                 # the one-array form (one compiled call), then copied out; the same
-                # collective, whatever form or sizes the peers pass.
+                # collective, whatever form or sizes the peers pass. Above the staging
+                # limit the two copies more cost more than the Python they save: the
+                # pieces ride from where they lie (all_to_all_direct).
                 recvs = [f.flat.nbytes for f in flats]
                 staged = self._staging(sum(sends) + sum(recvs))
                 pieces_in, pieces_out = staged[:sum(sends)], staged[sum(sends):]
