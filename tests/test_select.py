@@ -115,27 +115,27 @@ def test_rank_threads_keep_one_shot_longer(world_size):
         assert select("all_reduce", limit, world_size) is all_reduce_two_shot
 
 
-def test_small_pages_bound_the_cma_all_reduce():
+def test_small_pages_keep_all_reduce_off_cma():
     """Guards the 4 KiB-page rule: where the ranks' buffers are likely on small pages,
-    all_reduce reads peers' buffers (CMA) only at 2 ranks below 16 MiB, and slots take the
-    rest; reduce_scatter, rank threads (no pages pinned) and huge pages are unaffected."""
-    from shmcoll.algorithms import SINGLE_COPY_SMALL_PAGES_MAX, all_reduce_single_copy, \
-        all_reduce_two_shot, reduce_scatter_single_copy
+    all_reduce never reads peers' buffers (CMA), whatever the size and world size; on huge
+    pages it does from SINGLE_COPY_MIN; reduce_scatter and rank threads (no pages pinned)
+    are unaffected."""
+    from shmcoll.algorithms import SINGLE_COPY_MIN, SINGLE_COPY_NOT_ON_SMALL_PAGES, \
+        all_reduce_single_copy, all_reduce_two_shot, reduce_scatter_single_copy
     from shmcoll.native.single_copy import CMA, IN_PROCESS
-    most, most_ws = SINGLE_COPY_SMALL_PAGES_MAX[CMA]["all_reduce"]
+    least, least_ws = SINGLE_COPY_MIN[CMA]["all_reduce"]
+    assert "all_reduce" in SINGLE_COPY_NOT_ON_SMALL_PAGES[CMA]
 
     def ar(nbytes, ws, small, transport=CMA):
         return algorithms.select("all_reduce", nbytes, ws, single_copy=transport,
                                  small_pages=small, threads=transport == IN_PROCESS)
 
-    assert most_ws == 2
-    assert ar(most - 1, 2, True) is all_reduce_single_copy
-    assert ar(most, 2, True) is all_reduce_one_shot
-    assert ar(256 << 20, 2, True) is all_reduce_one_shot
-    assert ar(most, 2, False) is all_reduce_single_copy
-    assert ar(256 << 20, 2, False) is all_reduce_single_copy
-    assert ar(4 << 20, 4, True) is all_reduce_two_shot
-    assert ar(4 << 20, 4, False) is all_reduce_single_copy
+    for nbytes in (least, 8 << 20, 256 << 20):
+        assert ar(nbytes, 2, True) is all_reduce_one_shot
+        assert ar(nbytes, 4, True) is all_reduce_two_shot
+        assert ar(nbytes, max(2, least_ws), False) is all_reduce_single_copy
+        assert ar(nbytes, 4, False) is all_reduce_single_copy
+    assert ar(least - 1, 2, False) is all_reduce_one_shot
     assert ar(256 << 20, 4, True, IN_PROCESS) is all_reduce_single_copy
     assert algorithms.select("reduce_scatter", 256 << 20, 4, single_copy=CMA,
                              small_pages=True) is reduce_scatter_single_copy

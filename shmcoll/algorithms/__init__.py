@@ -20,7 +20,7 @@ from .scatter import scatter_direct
 
 __all__ = ["select", "one_step_mode", "all_to_all_finish", "rides", "ONE_SHOT_MAX_NBYTES",
            "SINGLE_COPY_MIN",
-           "SINGLE_COPY_SMALL_PAGES_MAX", "BROADCAST_STREAMED_MIN_NBYTES",
+           "SINGLE_COPY_NOT_ON_SMALL_PAGES", "BROADCAST_STREAMED_MIN_NBYTES",
            "LIST_STAGED_MAX_NBYTES"]
 
 # all_reduce one-shot vs two-shot cut-over, by world size. One-shot reads N*S per rank and
@@ -61,14 +61,16 @@ SINGLE_COPY_MIN = {
 }
 # The measurements above used numpy arrays, which sit on transparent huge pages from 4 MiB.
 # Where user buffers are on 4 KiB pages (torch tensors by default, see pages.py), CMA pins
-# 512x more pages, and all_reduce's single copy wins only in a band at 2 ranks. Measured
-# on torch-allocated buffers (engine level, CMA / slots time, alternating blocks): 2 ranks
-# 4 MiB 0.94, 8 MiB 0.83, 16 MiB 1.07 / 1.22 / 0.99, 64 MiB 1.09, 256 MiB 1.22; 4 ranks
-# 4 MiB 1.03, 16 MiB 1.03, 64 MiB 1.16; 8 ranks 16 MiB 1.04 (on numpy's huge pages: 2
-# ranks 16 MiB 0.83, 256 MiB 0.84).
-# reduce_scatter's single copy still wins there (2 ranks 4 MiB 0.91, 16 MiB 0.92; 4 ranks
-# 16 MiB 0.78). Entries: (below this many bytes, at most this world size).
-SINGLE_COPY_SMALL_PAGES_MAX = {CMA: {"all_reduce": (16 << 20, 2)}}
+# 512x more pages, and all_reduce's single copy does not pay at any size: on
+# torch-allocated buffers (engine level, CMA / slots time, alternating blocks) 4 ranks
+# 4 MiB 1.03, 16 MiB 1.03, 64 MiB 1.16, 8 ranks 16 MiB 1.04, 2 ranks 64 MiB 1.09, 256 MiB
+# 1.22; a band at 2 ranks below 16 MiB, where it once won (4 MiB 0.94, 8 MiB 0.83), lost
+# once the slot path streamed: 2026-11-29, lab.config_ab, slots / CMA time, 3 MiB 0.71,
+# 4 MiB 0.68-0.69, 6 MiB 0.86, 8 MiB 0.67-0.86, 12 MiB 0.93 (4 ranks, always / default:
+# 4 MiB 1.40, 16 MiB 1.11). reduce_scatter's single copy still wins there (2 ranks 4 MiB
+# 0.91, 16 MiB 0.92; 4 ranks 16 MiB 0.78). On numpy's huge pages all_reduce keeps it:
+# slots / CMA 2 ranks 4 MiB 0.86, 16 MiB 1.00, 64 MiB 0.94; 4 ranks 4 MiB 1.12, 16 MiB 1.10.
+SINGLE_COPY_NOT_ON_SMALL_PAGES = {CMA: ("all_reduce",)}
 _SINGLE_COPY = {"all_reduce": all_reduce_single_copy, "all_gather": all_gather_single_copy,
                 "broadcast": broadcast_single_copy, "reduce_scatter": reduce_scatter_single_copy}
 
@@ -120,16 +122,15 @@ def select(collective, nbytes, world_size, direct_max_nbytes=-1, single_copy=NON
     `single_copy`: the group's single_copy transport (the same on every rank: agreed at init);
     `single_copy_always` (SHMCOLL_SINGLE_COPY=always) takes its path at every size, for
     tests and measurements. `small_pages`: the ranks' buffers are likely on 4 KiB pages
-    (pages.py; agreed at init), which bounds where CMA pays.
+    (pages.py; agreed at init), where CMA does not pay for all_reduce.
     """
     if single_copy != NONE and collective in _SINGLE_COPY:
         if single_copy_always:
             return _SINGLE_COPY[collective]
         least = SINGLE_COPY_MIN[single_copy].get(collective)
-        most = SINGLE_COPY_SMALL_PAGES_MAX.get(single_copy, {}).get(collective) \
-            if small_pages else None
-        if least is not None and nbytes >= least[0] and world_size >= least[1] and (
-                most is None or nbytes < most[0] and world_size <= most[1]):
+        if least is not None and nbytes >= least[0] and world_size >= least[1] and not (
+                small_pages and collective in SINGLE_COPY_NOT_ON_SMALL_PAGES.get(single_copy,
+                                                                                 ())):
             return _SINGLE_COPY[collective]
     if collective == "all_reduce":
         limit = direct_max_nbytes

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from .. import config
 from ..native import jit, pages, prebuilt
-from ..algorithms import SINGLE_COPY_MIN, SINGLE_COPY_SMALL_PAGES_MAX
+from ..algorithms import SINGLE_COPY_MIN
 from ..protocol import RegionLayout
 from ..native.single_copy import CMA
 
@@ -204,14 +204,13 @@ def check_single_copy(opts, cfg, probe=probe_cma):
 def check_pages(opts):
     mode = pages.thp_mode()
     small = pages.torch_buffers_small_pages(mode)
-    limit, ranks = SINGLE_COPY_SMALL_PAGES_MAX[CMA]["all_reduce"]
     found = [Finding(INFO, f"transparent huge pages: {mode}; THP_MEM_ALLOC_ENABLE="
                            f"{os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}")]
     if small:
         found.append(Finding(
-            INFO, f"torch's CPU tensors are likely on 4 KiB pages: process_vm_readv pins every "
-                  f"page, so all_reduce reads peers' tensors only at {ranks} ranks below "
-                  f"{limit // MIB} MiB (larger ones go through the slots)",
+            INFO, "torch's CPU tensors are likely on 4 KiB pages: process_vm_readv pins every "
+                  "page, so all_reduce never reads peers' tensors where they lie (it goes "
+                  "through the slots)",
             "THP_MEM_ALLOC_ENABLE=1 (with THP mode madvise or always) puts large tensors on "
             "huge pages: faster large collectives with any backend"))
     else:
