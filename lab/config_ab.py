@@ -10,7 +10,8 @@ makes one group per configuration (the settings apply while it is made, config.f
 Per size, blocks of calls run configuration by configuration (the order reverses every
 block); each block is timed as a whole after a barrier and verified after. Printed: the
 median over blocks of the slowest rank's per-call time, and its ratio to the first
-configuration. Sizes are per rank (all_gather: the input). Buffers are torch tensors (4 KiB
+configuration. Sizes are per rank (all_gather: the input; all_to_all: all_to_all_single's
+input, world_size equal pieces). Buffers are torch tensors (4 KiB
 pages; the groups are told so) or, with --numpy, numpy arrays (huge pages from 4 MiB).
 """
 
@@ -27,7 +28,7 @@ from benchmarks.sizes import parse_size
 
 __all__ = ["main"]
 
-OPS = ("all_reduce", "all_gather", "broadcast")
+OPS = ("all_reduce", "all_gather", "broadcast", "all_to_all")
 
 
 def _configs(texts):
@@ -63,6 +64,12 @@ def _rank(rank, world, store_dir, args, configs, queue):
             keep += [torch.full((count,), rank + 1.0), torch.empty(count * world)]
             inp, out = plain_array(keep[-2]), plain_array(keep[-1])
         gathered = np.repeat(np.arange(1, world + 1, dtype=np.float32), count)
+        if args.op == "all_to_all":  # rank r's piece for rank j: 10 r + j
+            count -= count % world
+            piece = count // world
+            inp, out = inp[:count], out[:count]
+            inp[:] = np.repeat(10.0 * rank + np.arange(world, dtype=np.float32), piece)
+            exchanged = np.repeat(10.0 * np.arange(world, dtype=np.float32) + rank, piece)
         calls = max(5, min(200, (32 << 20) // (nbytes * world)))
         times = [[] for _ in groups]
         order = list(range(len(groups)))
@@ -77,6 +84,8 @@ def _rank(rank, world, store_dir, args, configs, queue):
                         g.all_reduce(inp, ReduceOp.SUM)
                     elif args.op == "all_gather":
                         g.all_gather(out, inp)
+                    elif args.op == "all_to_all":
+                        g.all_to_all_single(out, inp)
                     else:
                         inp[:] = 7.0 if rank == 0 else 0.0
                         g.broadcast(inp, 0)
@@ -85,6 +94,8 @@ def _rank(rank, world, store_dir, args, configs, queue):
                     ok = bool((inp == world * (world + 1) / 2).all())
                 elif args.op == "all_gather":
                     ok = bool((out == gathered).all())
+                elif args.op == "all_to_all":
+                    ok = bool((out == exchanged).all())
                 else:
                     ok = bool((inp == 7.0).all())
                 if not ok:

@@ -17,7 +17,8 @@ MAX_MESSAGE_NBYTES = 1 << 48  # larger than any array this host can hold
 # chunked slot steps, 8 MiB 0.66 (one array) and 0.58 (lists), 16 MiB 0.71 and 0.69; with
 # CMA, against single copy, 8 MiB 0.93-0.97, 16 MiB 0.95 (lists) and 1.03. Riding stays
 # best up to the slot (one array, streamed / riding: 3 MiB 1.62, 4 MiB 1.33). More ranks
-# than 2 were not measured: they keep single copy.
+# keep single copy (lab.config_ab, one array, streamed / CMA: 3 ranks 8 MiB 1.02, 16 MiB
+# 1.05; 4 ranks 1.14 and 1.17).
 STREAM_MAX_WORLD = 2
 
 
