@@ -3,8 +3,10 @@ all_to_all in place (`dist.all_to_all_single(t, t)`, the list form with outs[j] 
 all_gather with the input a view of its own block of the output (FSDP2's and ZeRO's
 all_gather), reduce_scatter into its own block of the input, gather and scatter whose root
 passes its own block as both. Every transport: messages riding in the slot, read from the
-peers' buffers (single copy, where a peer reads my input while I write my output), and
-the chunked slot steps (single copy off). Each result must equal the out-of-place one.
+peers' buffers (single copy at 3 ranks, where a peer reads my input while I write my
+output), and streamed through the slot after the table (2 ranks, or single copy off; a
+later step reads what an earlier one may have written). Each result must equal the
+out-of-place one.
 """
 
 import functools

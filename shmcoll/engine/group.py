@@ -593,8 +593,8 @@ class Group:
                 return outs
         dst = [as_bytes(f.flat) for f in flats]
         # peers may read my inputs where they lie while I write my outputs (single copy),
-        # or my own later chunks read what an earlier one wrote: an in-place call's inputs
-        # are copied first (the staged branch above copied them already)
+        # or my own later steps read what an earlier one wrote (streamed): an in-place
+        # call's inputs are copied first (the staged branch above copied them already)
         src = unaliased(src, dst)
         self._run("all_to_all", (dtype_code(outs[0]) if outs else 0, 0, 0, 0),
                   _local_all_to_all if self._arena is None else self._select("all_to_all", 0),

@@ -98,7 +98,7 @@ def unaliased(srcs, outs):
     by a private copy. An in-place call (`dist.all_to_all_single(t, t)`, outs[j] is
     ins[j], pieces of one buffer) would otherwise overwrite inputs that are still to be
     read: by peers reading my buffer where it lies (single copy) while I write my outputs,
-    or by a later step of my own (the chunked steps, the hierarchical group's rounds).
+    or by a later step of my own (the streamed steps, the hierarchical group's rounds).
     np.may_share_memory compares bounds only (~0.3 us a pair), so a strided view that
     interleaves with an output without touching it is copied too."""
     return [a.copy() if any(np.may_share_memory(a, o) for o in outs) else a for a in srcs]
