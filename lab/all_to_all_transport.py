@@ -22,15 +22,12 @@ import sys
 import tempfile
 import time
 
+from benchmarks.sizes import parse_size
+
 __all__ = ["main"]
 
 _ENV = {"default": {}, "slot512k": {"SHMCOLL_SLOT_BYTES": str(512 << 10)},
         "nosc": {"SHMCOLL_SINGLE_COPY": "off"}}
-
-
-def _parse_size(text):
-    mult = {"K": 1 << 10, "M": 1 << 20}.get(text[-1].upper(), 1)
-    return int(text[:-1] if mult > 1 else text) * mult
 
 
 def _rank(rank, world, path, sizes, variant, buffers, queue):
@@ -77,7 +74,7 @@ def main(argv=None):
     ap.add_argument("--variants", default="default,slot512k,nosc,default,slot512k,nosc")
     ap.add_argument("--buffers", choices=("torch", "numpy"), default="torch")
     args = ap.parse_args(argv)
-    sizes = [_parse_size(s) for s in args.sizes.split(",")]
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
     ctx = mp.get_context("spawn")
     for variant in args.variants.split(","):
         if variant not in _ENV:

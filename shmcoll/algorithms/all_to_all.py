@@ -73,9 +73,8 @@ def all_to_all_finish(arena, i, ins, outs):
     leaves it (Arena.one_step, ONE_STEP_ALL_TO_ALL) when the tables differ."""
     world, rank = arena.world_size, arena.rank
     head = a2a_head_nbytes(world)
-    limit = arena.slot_nbytes
     rows = _checked_table(arena, i)
-    rode = [head + sum(row[:world]) - row[j] <= limit for j, row in enumerate(rows)]
+    rode = [_fits(arena, row[:world], j) for j, row in enumerate(rows)]
     everyone_rode = all(rode)
     if not everyone_rode and (arena.single_copy == NONE or arena.single_copy == CMA
                               and world <= STREAM_MAX_WORLD):
@@ -106,14 +105,21 @@ def all_to_all_finish(arena, i, ins, outs):
 def rides(arena, sends):
     """Whether messages of `sends` bytes to the ranks (in rank order; a rank's own stays
     out of the slot) ride with the table in step 1."""
-    return a2a_head_nbytes(arena.world_size) + sum(sends) - sends[arena.rank] \
-        <= arena.slot_nbytes
+    return _fits(arena, sends, arena.rank)
+
+
+def _fits(arena, sends, sender):
+    """Whether rank `sender`'s messages of `sends` bytes (its own left out) fit its slot
+    after the table: the one riding rule, for my messages and for a peer's table row (the
+    one-step kernel's _a2a_all_rode is its compiled twin)."""
+    return a2a_head_nbytes(arena.world_size) + sum(sends) - sends[sender] <= arena.slot_nbytes
 
 
 def _checked_table(arena, i, words=A2A_TABLE_WORDS):
     """Every rank's table row (N lists of `words` x N ints: sends, receives and, in
-    all_to_all_direct's table, addresses) from slot i, checked: the same ValueError on every rank if a send size differs from its
-    receiver's expectation, or a size is negative or absurd (the table is peers' memory).
+    all_to_all_direct's table, addresses) from slot i, checked: the same ValueError on
+    every rank if a send size differs from its receiver's expectation, or a size is
+    negative or absurd (the table is peers' memory).
     Plain Python: for the world sizes of one machine it is several times faster than
     numpy's calls on arrays this small."""
     world = arena.world_size

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as _c10d
 
 from . import checks
+from ..engine.group_args import pieces
 from .convert import as_array, row_counts
 from .fast import all_gather_inline, all_gather_single_inline, all_to_all_inline, \
     all_to_all_single_inline, broadcast_inline
@@ -340,10 +341,5 @@ def _row_pieces(t, rows):
     a torch view and an array per piece: ~2-4 us a piece), else an array per torch view
     (strided: the engine's Flat copies them)."""
     if t.is_contiguous():
-        flat = as_array(t, False)[0].reshape(-1)
-        pieces, at = [], 0
-        for c in row_counts(t, rows):
-            pieces.append(flat[at:at + c])
-            at += c
-        return pieces
+        return pieces(as_array(t, False)[0].reshape(-1), row_counts(t, rows), len(rows))
     return [as_array(p, False)[0] for p in torch.split(t, rows, dim=0)]
