@@ -30,7 +30,8 @@ For shm each rank also reports the phases of its group's creation (shmcoll.engin
 node discovery, segments, kernel loads in the warm-up thread, ...), printed as the median
 start and duration of each phase, relative to that rank's start of init_process_group;
 "torch and store (rest of init)" is what the phases leave of init_process_group (torch's
-rendezvous and c10d set-up). `--preload` loads the warm-up's kernels before the clock
+rendezvous and c10d set-up; the group's creation runs on its own thread since
+torch_backend/deferred.py, so its phases no longer count against init). `--preload` loads the warm-up's kernels before the clock
 starts: a diagnostic, init without numba's first use in the process.
 """
 
@@ -94,7 +95,10 @@ print(json.dumps({"init_s": (t1 - t0) / 1e9, "first_s": (t2 - t0) / 1e9, "phases
 '''
 
 # the phases whose sum is shm's backend creator: the rest of init_process_group is torch's
+# (when the creator ran them inside init_process_group: since the creation moved to its own
+# thread, torch_backend/deferred.py, they overlap what follows init)
 _CREATOR = ("node discovery", "ProcessGroupShm")
+_THREADS = {"shmcoll-warmup": "warm-up thread", "shmcoll-create": "creation thread"}
 
 
 def _free_port():
@@ -185,11 +189,12 @@ def phase_table(rows, world_size):
     for row in rows:
         for r in shown:
             phases = row["phases"][r]
-            creator = sum(p["end_ns"] - p["start_ns"] for p in phases if p["name"] in _CREATOR)
+            creator = sum(p["end_ns"] - p["start_ns"] for p in phases
+                          if p["name"] in _CREATOR and p["thread"] == "MainThread")
             rest = {"name": "torch and store (rest of init)", "thread": "",
                     "start_ns": 0, "end_ns": int(row["init_s_rank"][r] * 1e9) - creator}
             for p in phases + [rest]:
-                key = (p["name"], "warm-up thread" if p["thread"] == "shmcoll-warmup" else "")
+                key = (p["name"], _THREADS.get(p["thread"], ""))
                 if key not in by_key:
                     by_key[key] = {}
                     order.append(key)

@@ -4,6 +4,7 @@ C++ ProcessGroup method (which dispatches into the adapter) and the dist.* front
 
     python -m lab.front_layers                          # 8 B and 64 KiB, all three ops
     python -m lab.front_layers --sizes 8,64K,1M --ops all_gather --blocks 16
+    python -m lab.front_layers --world-size 4 --ops all_to_all --sizes 64K,1M
 
 Per op and size, each layer is one callable; the layers alternate in blocks of `--calls`
 calls (each block timed as a whole on rank 0, after a barrier; the order reverses every
@@ -88,7 +89,7 @@ def _rank(rank, world, store, args, queue):
     torch.set_num_threads(1)
     dist.init_process_group("shm", init_method=f"file://{store}", rank=rank, world_size=world)
     default = dist.distributed_c10d._get_default_group()
-    pg = default._get_backend(torch.device("cpu"))
+    pg = default._get_backend(torch.device("cpu")).made()  # the group itself (deferred.py)
     rows = []
     for op in args.ops:
         for nbytes in args.sizes:
@@ -131,6 +132,7 @@ def main(argv=None):
     ap.add_argument("--sizes", default="8,64K")
     ap.add_argument("--blocks", type=int, default=12)
     ap.add_argument("--calls", type=int, default=40)
+    ap.add_argument("--world-size", type=int, default=2)
     args = ap.parse_args(argv)
     args.ops = [o for o in args.ops.split(",") if o]
     args.sizes = [parse_size(s) for s in args.sizes.split(",") if s]
@@ -140,8 +142,8 @@ def main(argv=None):
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    mp.spawn(_rank, args=(2, tempfile.mktemp(prefix="shmcoll-front-"), args, queue),
-             nprocs=2)
+    mp.spawn(_rank, args=(args.world_size, tempfile.mktemp(prefix="shmcoll-front-"), args,
+                          queue), nprocs=args.world_size)
     rows = queue.get()
     print(f"{'op':11s} {'bytes':>8s}  " + "  ".join(f"{k:>22s}" for k in LAYERS))
     wrong = 0

@@ -63,14 +63,15 @@ run_tests() {
   "$PY" -m shmcoll.engine.warmup
   # What meets torch's version differences: the adapter and its seams (compat), gloo's
   # front-end seeds, futures and DDP hooks, threaded_pg, the programs (DDP, FSDP, DTensor,
-  # DCP, pipelining, elastic), where the backends register, the CUDA path's torch surface
+  # DCP, pipelining, elastic), where the backends register and what torch asks of a group
+  # its creation thread has not made yet (test_deferred_init), the CUDA path's torch surface
   # (the simulated device: a caller's default device, DDP, the host kernel's complex
   # arithmetic against torch's) and a hierarchical group (gloo between nodes). ~6.5 min
   # with every cuda_ipc and hier test, ~4 without: these are the ones that touch torch.
   "$PY" -m pytest -q -p no:cacheprovider -m "not slow" --durations 15 \
     tests/test_torch_compat.py tests/test_torch_backend*.py tests/test_gloo_seeds_*.py \
     tests/test_threaded_pg_*.py tests/test_threaded_rng.py tests/test_futures.py tests/test_ddp.py \
-    tests/test_programs.py tests/test_autoload.py tests/test_tensor_memory.py \
+    tests/test_programs.py tests/test_autoload.py tests/test_tensor_memory.py tests/test_deferred_init.py \
     tests/test_cuda_ipc.py::test_a_callers_default_device_does_not_leak_into_the_backend \
     tests/test_cuda_ipc.py::test_ddp_on_the_device_path \
     tests/test_cuda_ipc.py::test_reduce_matches_the_host_kernel \

@@ -1,9 +1,40 @@
-"""Every SHMCOLL_* environment variable: name, default, parser and meaning; read once per group."""
+"""Every SHMCOLL_* environment variable: name, default, parser and meaning; read once per group.
 
+A group is made with the environment of the call that asked for it: one made on a
+background thread (torch_backend/deferred.py) reads a snapshot of the environment taken in
+init_process_group / new_group (`environment(snapshot)`; `current_environ()` is what the
+readers consult), so that a variable set around that call, or changed after it, applies as
+it did when the group was made inside the call.
+"""
+
+import contextlib
 import os
+import threading
 from typing import NamedTuple
 
-__all__ = ["Config", "from_env", "p2p_cells", "compile_timeout_s"]
+__all__ = ["Config", "from_env", "p2p_cells", "compile_timeout_s", "environment",
+           "current_environ"]
+
+_pinned = threading.local()  # .environ: this thread's snapshot (environment()'s only)
+
+
+@contextlib.contextmanager
+def environment(snapshot):
+    """Within the block, on this thread, the environment is `snapshot` (a mapping) for
+    every reader of current_environ()."""
+    before = getattr(_pinned, "environ", None)
+    _pinned.environ = snapshot
+    try:
+        yield
+    finally:
+        _pinned.environ = before
+
+
+def current_environ():
+    """The environment a group being made on this thread reads: environment()'s snapshot,
+    else os.environ."""
+    pinned = getattr(_pinned, "environ", None)
+    return os.environ if pinned is None else pinned
 
 MIB = 1 << 20
 
@@ -55,6 +86,10 @@ class Config(NamedTuple):
     # namespace, then a probe segment); any string overrides, e.g. to simulate nodes on one
     # host or for setups detection gets wrong.
     node_id: str = ""
+    # init_process_group / new_group return once the group's creation has started on a
+    # background thread (torch_backend/deferred.py); True: they wait for it, and a failed
+    # creation raises there instead of at the group's first call
+    eager_init: bool = False
     # Hierarchical all_reduce (and broadcast, reduce_scatter_tensor): below this many bytes
     # the node leaders alone talk to other nodes (intra reduce, leaders' exchange, intra
     # broadcast); from it every local rank exchanges its 1/L shard (intra reduce-scatter,
@@ -91,13 +126,15 @@ _ENV = {
     "SHMCOLL_CUDA_SIM_DEVICE": ("cuda_sim_device", int),
     "SHMCOLL_CUDA_SIM_P2P": ("cuda_sim_p2p", lambda v: v not in ("0", "false", "no", "")),
     "SHMCOLL_NODE_ID": ("node_id", str),
+    "SHMCOLL_EAGER_INIT": ("eager_init", lambda v: v not in ("0", "false", "no", "")),
     "SHMCOLL_HIER_SHARD_MIN_BYTES": ("hier_shard_min_nbytes", int),
 }
 
 
 def from_env(environ=None, **overrides):
-    """Build a Config from SHMCOLL_* variables, then apply keyword overrides."""
-    environ = os.environ if environ is None else environ
+    """Build a Config from SHMCOLL_* variables (of current_environ() by default), then
+    apply keyword overrides."""
+    environ = current_environ() if environ is None else environ
     values = {}
     for var, (field, parse) in _ENV.items():
         if var in environ:

@@ -57,7 +57,7 @@ def main():
     nodes = [f"host{k}" for k, n in enumerate(sizes) for _ in range(n)]
     try:
         dist.init_process_group("shm", timeout=datetime.timedelta(seconds=60))
-        pg = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+        pg = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu")).made()
         assert isinstance(pg, HierProcessGroup), f"{type(pg).__name__}: nodes not detected"
         assert list(pg.layout.hosts) == nodes, (pg.layout.hosts, nodes)
         if os.environ["SHMCOLL_TEST_MODE"] == "lost":

@@ -290,12 +290,12 @@ def check_subgroups(rank, world_size, nodes):
     g_lead = dist.new_group(leaders)
     g_node = dist.new_group(node0)
     if rank in leaders:
-        assert isinstance(g_lead._get_backend(torch.device("cpu")), HierProcessGroup)
+        assert isinstance(g_lead._get_backend(torch.device("cpu")).made(), HierProcessGroup)
         t = torch.full((5,), float(rank))
         dist.all_reduce(t, group=g_lead)
         assert torch.all(t == sum(leaders))
     if rank in node0:
-        assert isinstance(g_node._get_backend(torch.device("cpu")), ProcessGroupShm)
+        assert isinstance(g_node._get_backend(torch.device("cpu")).made(), ProcessGroupShm)
         t = torch.ones(3)
         dist.all_reduce(t, group=g_node)
         assert torch.all(t == len(node0))
@@ -353,7 +353,7 @@ ALL = (check_all_reduce, check_large_all_reduce, check_reduce_scatter, check_red
 def run_all(rank, world_size, nodes):
     """Every check; -> the digests that must agree across ranks."""
     from shmcoll.torch_backend import HierProcessGroup
-    pg = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    pg = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu")).made()
     assert isinstance(pg, HierProcessGroup), type(pg)
     out = []
     for check in ALL:

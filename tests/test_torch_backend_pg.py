@@ -358,7 +358,7 @@ def test_errors_at_call_and_in_future():
 def _general_path_calls():
     """The names of the calls that take the default group's general path (its _submit)
     while the block runs: the latency paths' tests expect none where they apply."""
-    pg = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    pg = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu")).made()
     general = []
     submit = pg._submit
 

@@ -140,7 +140,9 @@ def test_the_work_probe_answers_for_this_torch():
 
 def _backend(pg):
     from shmcoll.torch_backend import EngineProcessGroup
-    return pg if isinstance(pg, EngineProcessGroup) else pg._get_backend(torch.device("cpu"))
+    if not isinstance(pg, EngineProcessGroup):
+        pg = pg._get_backend(torch.device("cpu"))
+    return pg.made() if hasattr(pg, "made") else pg
 
 
 def _cpp_waits(rank, world_size):

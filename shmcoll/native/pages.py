@@ -10,7 +10,7 @@ answer only tunes algorithm choice (algorithms.select): a wrong guess costs spee
 correctness, and the ranks agree on one answer at init (shm.ShmRegions).
 """
 
-import os
+from .. import config
 
 __all__ = ["thp_mode", "torch_buffers_small_pages", "numpy_buffers_small_pages"]
 
@@ -31,10 +31,11 @@ def thp_mode(path=_THP_ENABLED):
     return "never"
 
 
-def torch_buffers_small_pages(mode=None, environ=os.environ):
+def torch_buffers_small_pages(mode=None, environ=None):
     """True unless torch's CPU tensors get huge pages: THP "always", or "madvise" with
-    torch's THP_MEM_ALLOC_ENABLE=1."""
+    torch's THP_MEM_ALLOC_ENABLE=1 (in config.current_environ() by default)."""
     mode = thp_mode() if mode is None else mode
+    environ = config.current_environ() if environ is None else environ
     if mode == "always":
         return False
     return not (mode == "madvise" and environ.get("THP_MEM_ALLOC_ENABLE", "0").strip().lower()

@@ -30,25 +30,40 @@ NAME = "shm"
 
 
 def create_shm_process_group(backend_opts, pg_options=None):
-    """Creator for dist.Backend.register_backend: one engine Group per torch group, or,
-    when its ranks span nodes, a hierarchical one (hier_pg.new_process_group decides).
+    """Creator for dist.Backend.register_backend: a DeferredProcessGroup, which makes one
+    engine Group per torch group, or, when its ranks span nodes, a hierarchical one
+    (hier_pg.new_process_group decides), on a background thread (deferred.py;
+    SHMCOLL_EAGER_INIT=1: before returning).
 
     The group keeps the (prefixed) store: monitored_barrier and split_group use it.
     init_process_group's timeout wins over pg_options._timeout (as for gloo/NCCL)."""
-    from . import compat  # the adapter and the engine load here, on the first group
+    from . import compat  # torch's version is checked here, in the caller's thread
     compat.require_supported_torch()
-    from .hier_pg import new_process_group
-    from .pg_args import ShmOptions
+    from .. import config
+    from .deferred import DeferredProcessGroup
 
-    options = ShmOptions.coerce(pg_options)
-    options.global_ranks_in_group = list(getattr(backend_opts, "global_ranks_in_group", []))
-    pg = new_process_group(backend_opts.store, backend_opts.group_rank,
-                           backend_opts.group_size, options, timeout=backend_opts.timeout,
-                           group_name=str(backend_opts.group_id))
-    layout = getattr(pg, "layout", None)  # several nodes: the ranks on this machine count
-    _warn_if_threads_oversubscribe(backend_opts.group_size if layout is None else
-                                   layout.ranks_on_machine(backend_opts.group_rank))
-    return pg
+    store, rank, size = backend_opts.store, backend_opts.group_rank, backend_opts.group_size
+    timeout, name = backend_opts.timeout, str(backend_opts.group_id)
+    global_ranks = list(getattr(backend_opts, "global_ranks_in_group", []))
+    environ = dict(os.environ)  # the group is made with the environment of this call
+    eager = config.from_env(environ).eager_init  # a bad SHMCOLL_* value fails here
+
+    def make():  # on the creation thread: the adapter and the engine load here
+        from .hier_pg import new_process_group
+        from .pg_args import ShmOptions
+
+        with config.environment(environ):
+            options = ShmOptions.coerce(pg_options)
+            options.global_ranks_in_group = global_ranks
+            pg = new_process_group(store, rank, size, options, timeout=timeout,
+                                   group_name=name)
+        layout = getattr(pg, "layout", None)  # several nodes: the ranks on this machine count
+        _warn_if_threads_oversubscribe(size if layout is None else
+                                       layout.ranks_on_machine(rank))
+        return pg
+
+    return DeferredProcessGroup(make, rank, size, store, name, timeout.total_seconds(),
+                                eager=eager)
 
 
 _threads_warned = False

@@ -64,13 +64,13 @@ _RETIRED = []  # default groups replaced after a failed program (see the docstri
 
 
 def _retire_default_group():
-    from shmcoll.torch_backend.process_group import EngineProcessGroup
+    from shmcoll.torch_backend.deferred import DeferredProcessGroup
 
     group = dist.group.WORLD
     backend = group._get_backend(torch.device("cpu"))
     _RETIRED.append(group)
     dist.destroy_process_group()
-    if isinstance(backend, EngineProcessGroup):
+    if isinstance(backend, DeferredProcessGroup):
         backend.shutdown()  # ours releases its memory now; gloo's threads stay with it
 
 
