@@ -95,6 +95,7 @@ def test_eager_init_raises_inside_init_process_group():
     assert got["at"] == "init", got
     assert got["error"] == "DistBackendError", got
     assert "init_process_group: creating process group" in got["text"], got
+    assert "SHMCOLL_EAGER_INIT" not in got["text"], got
 
 
 def _abort_while_making(rank, world_size, store):
@@ -165,9 +166,11 @@ def _fork_while_making(rank, world_size, store):
     if rank == 0:
         store.set("rank0_init_returned", "1")
         pid = os.fork()
-        if pid == 0:
-            os._exit(0)
-        os.waitpid(pid, 0)
+        if pid == 0:  # the child has no creation thread, and knows it
+            from shmcoll.torch_backend import deferred
+            os._exit(0 if not deferred._running and deferred._last_done is None else 3)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
         made_at_fork = _backend()._creation.done.is_set()
     t = torch.full((4,), float(rank + 1))
     dist.all_reduce(t)

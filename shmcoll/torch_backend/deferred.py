@@ -35,6 +35,7 @@ are closed by their finalizers rather than left mapped by a frozen daemon thread
 """
 
 import atexit
+import logging
 import os
 import threading
 import time
@@ -42,6 +43,8 @@ import time
 import torch.distributed as dist
 
 __all__ = ["DeferredProcessGroup", "EXIT_WAIT_S", "FORWARDED"]
+
+log = logging.getLogger("shmcoll")
 
 # What interpreter exit and a fork wait for the running creations, in all.
 EXIT_WAIT_S = 30.0
@@ -66,8 +69,10 @@ FORWARDED = (
     "_set_default_timeout", "comm_split_count",
 )
 
+# The chain (written by _start and the creation threads under _chain_lock, and by
+# _forget_in_child in a forked child, where no other thread exists)
 _chain_lock = threading.Lock()
-_last_done = None  # the newest creation's `done` (its only writer: _start, under _chain_lock)
+_last_done = None  # the newest creation's `done`
 _running = []  # _Creations not done yet (appended by _start, removed by their thread)
 
 
@@ -93,7 +98,7 @@ class _Creation:
             if self._ready is not None:
                 self._ready.wait(START_WAIT_S)
             if self._before is not None:
-                self._before.wait()
+                self._before.wait()  # ends: every creation's store waits have deadlines
             self.group = self._make()
         except BaseException as e:  # noqa: BLE001 -- the group's first call raises it
             self.error = e
@@ -102,7 +107,10 @@ class _Creation:
                 self._finished = True
                 abandoned = self._abandoned
             if abandoned and self.group is not None:
-                self.group.abort()
+                try:
+                    self.group.abort()
+                except Exception:  # noqa: BLE001 -- nobody waits for this thread to report
+                    log.exception("shm: aborting process group made after its abort()")
             with _chain_lock:
                 _running.remove(self)
             self.done.set()
@@ -130,14 +138,23 @@ def _start(make, ready):
 def _wait_running(budget_s):
     deadline = time.monotonic() + budget_s
     with _chain_lock:
-        running = list(_running)
+        running = [c for c in _running if c.thread is not threading.current_thread()]
     for creation in running:
         creation.done.wait(max(0.0, deadline - time.monotonic()))
 
 
+def _forget_in_child():
+    """After a fork, in the child: the parent's creation threads do not exist here."""
+    global _chain_lock, _last_done
+    _chain_lock = threading.Lock()
+    _running.clear()
+    _last_done = None
+
+
 atexit.register(_wait_running, EXIT_WAIT_S)
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=lambda: _wait_running(EXIT_WAIT_S))
+    os.register_at_fork(before=lambda: _wait_running(EXIT_WAIT_S),
+                        after_in_child=_forget_in_child)
 
 
 def _forward(name):
@@ -162,6 +179,7 @@ class DeferredProcessGroup(dist.ProcessGroup):
         self._store = store
         self._name = group_name  # the creator's name for the group (errors)
         self._timeout_s = timeout_s
+        self._eager = eager
         self._group = None  # the adopted group (its only writer: _adopted)
         self._group_name = None  # torch's name and description, until adoption
         self._group_desc = None
@@ -189,9 +207,10 @@ class DeferredProcessGroup(dist.ProcessGroup):
         if creation.error is not None:
             raise dist.DistBackendError(
                 f"[Rank {self.rank()}] {name}: creating process group {self._name!r} (backend "
-                f"shm) failed: {type(creation.error).__name__}: {creation.error}. "
-                f"init_process_group returned before the group was made; "
-                f"SHMCOLL_EAGER_INIT=1 makes it wait and raise this there"
+                f"shm) failed: {type(creation.error).__name__}: {creation.error}"
+                + ("" if self._eager else
+                   ". init_process_group returned before the group was made; "
+                   "SHMCOLL_EAGER_INIT=1 makes it wait and raise this there")
             ) from creation.error
         with self._adopt_lock:
             if self._group is None:
@@ -212,10 +231,9 @@ class DeferredProcessGroup(dist.ProcessGroup):
         while not creation.done.wait(1.0):
             if time.monotonic() > deadline or not creation.thread.is_alive() \
                     and not creation.done.is_set():
-                from ..errors import CollectiveTimeoutError
-                raise dist.DistBackendError(str(CollectiveTimeoutError(
+                raise dist.DistBackendError(
                     f"[Rank {self.rank()}] {name}: process group {self._name!r} (backend shm) "
-                    f"was still being created after {4 * self._timeout_s + 60.0:.0f} s")))
+                    f"was still being created after {4 * self._timeout_s + 60.0:.0f} s")
 
     def __getattr__(self, attr):
         """Anything else the group has (its engine `group`, `layout`, ...), once it is made.
