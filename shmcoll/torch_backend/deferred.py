@@ -15,7 +15,8 @@ that create several groups meet in each one's rendezvous in the same order.
 Ownership. A `_Creation` is written by its thread only (the group or the error, then
 `done`); the DeferredProcessGroup reads it once `done` is set and adopts the group: from
 then on it forwards everything to it. The group name and description torch sets right
-after creation are this object's until the group is adopted, the group's after.
+after creation are this object's; the group gets a copy (at adoption, and at every later
+set).
 Collective methods are installed on the instance at adoption (bound methods of the
 group), so that torch's C++ trampolines reach the group's methods with no Python in
 between: a call costs what it cost before.
@@ -181,7 +182,7 @@ class DeferredProcessGroup(dist.ProcessGroup):
         self._timeout_s = timeout_s
         self._eager = eager
         self._group = None  # the adopted group (its only writer: _adopted)
-        self._group_name = None  # torch's name and description, until adoption
+        self._group_name = None  # torch's name and description for the group (see below)
         self._group_desc = None
         self._adopt_lock = threading.Lock()
         self._set_up = threading.Event()  # torch described the group (_set_group_desc)
@@ -235,14 +236,13 @@ class DeferredProcessGroup(dist.ProcessGroup):
                     f"[Rank {self.rank()}] {name}: process group {self._name!r} (backend shm) "
                     f"was still being created after {4 * self._timeout_s + 60.0:.0f} s")
 
-    def __getattr__(self, attr):
-        """Anything else the group has (its engine `group`, `layout`, ...), once it is made.
-        Only snake_case names: torch's C++ trampolines look up the C++ virtuals by their
-        camelCase names (`getRank` at init_process_group), which the group does not define
-        either, and which must not wait for it."""
-        if attr.startswith("__") or not attr.islower() or "_creation" not in self.__dict__:
-            raise AttributeError(attr)
-        return getattr(self._adopted(attr), attr)
+    @property
+    def group(self):
+        """The group's engine group (an engine Group, or a HierGroup), once made. Nothing
+        else of the group is reachable through this object but the ProcessGroup methods
+        (made() returns the group itself): no __getattr__, which torch.compile's Dynamo
+        traces into for every attribute a class lacks (torch 2.4 failed on `__bool__`)."""
+        return self._adopted("group").group
 
     # -- what torch asks right after creation: answered without waiting ----------------
 
@@ -269,36 +269,33 @@ class DeferredProcessGroup(dist.ProcessGroup):
         return 0 if group is None and not self._creation.done.is_set() else \
             self._adopted("_get_sequence_number_for_group")._get_sequence_number_for_group()
 
+    # The name and description are this object's (its setters are their only writers, and
+    # the getters read them without a lock: torch.compile traces `group_name`, and Dynamo
+    # cannot trace a lock); the group gets a copy at adoption and every later set.
     def _set_group_name(self, name):
         with self._adopt_lock:
-            if self._group is None:
-                self._group_name = name
-                return
-        self._group._set_group_name(name)
+            self._group_name = name
+            if self._group is not None:
+                self._group._set_group_name(name)
 
     @property
     def group_name(self):
-        with self._adopt_lock:
-            if self._group is None:
-                if self._group_name is None:
-                    raise RuntimeError("ProcessGroup name not set")
-                return self._group_name
-        return self._group.group_name
+        name = self._group_name
+        if name is None:
+            raise RuntimeError("ProcessGroup name not set")
+        return name
 
     def _set_group_desc(self, desc):
         with self._adopt_lock:
-            if self._group is None:
-                self._group_desc = desc
-                self._set_up.set()  # torch's last step with a new group: the creation starts
-                return
-        self._group._set_group_desc(desc)
+            self._group_desc = desc
+            if self._group is not None:
+                self._group._set_group_desc(desc)
+        self._set_up.set()  # torch's last step with a new group: the creation starts
 
     @property
     def group_desc(self):
-        with self._adopt_lock:
-            if self._group is None:
-                return "undefined" if self._group_desc is None else self._group_desc
-        return self._group.group_desc
+        desc = self._group_desc
+        return "undefined" if desc is None else desc
 
     @property
     def options(self):
