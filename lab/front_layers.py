@@ -9,7 +9,8 @@ C++ ProcessGroup method (which dispatches into the adapter) and the dist.* front
 Per op and size, each layer is one callable; the layers alternate in blocks of `--calls`
 calls (each block timed as a whole on rank 0, after a barrier; the order reverses every
 block), and the median over blocks is printed with each layer's increment over the one
-below it. The ranks run in lock step, so an increment is what that layer adds to a call,
+below it; the line below it ("cpu") is rank 0's process CPU time per call the same way
+(waits included: with more ranks than cores, wall time ~ the ranks' CPU / the cores). The ranks run in lock step, so an increment is what that layer adds to a call,
 not its CPU time alone. Buffers are torch float32 tensors (4 KiB pages); sizes are per
 rank (all_gather: the input). Nothing is verified beyond each layer's last call (the
 values are checked once per op and size): this measures overhead, benchmarks.bench
@@ -111,15 +112,18 @@ def _rank(rank, world, store, args, queue):
                 else [float(t[0])]
             ok = got == ([want] if want is not None else [j + 1.0 for j in range(world)])
             times = {name: [] for name in LAYERS}
+            cpu = {name: [] for name in LAYERS}
             for block in range(args.blocks):
                 order = list(zip(LAYERS, layers))
                 for name, f in (order if block % 2 == 0 else order[::-1]):
                     pg.group.barrier()
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     for _ in range(args.calls):
                         f()
                     times[name].append((time.perf_counter() - t0) / args.calls * 1e6)
-            rows.append((op, nbytes, ok, {k: statistics.median(v) for k, v in times.items()}))
+                    cpu[name].append((time.process_time() - c0) / args.calls * 1e6)
+            rows.append((op, nbytes, ok, {k: statistics.median(v) for k, v in times.items()},
+                         {k: statistics.median(v) for k, v in cpu.items()}))
     dist.destroy_process_group()
     if rank == 0:
         queue.put(rows)
@@ -147,15 +151,17 @@ def main(argv=None):
     rows = queue.get()
     print(f"{'op':11s} {'bytes':>8s}  " + "  ".join(f"{k:>22s}" for k in LAYERS))
     wrong = 0
-    for op, nbytes, ok, med in rows:
-        cells, below = [], None
-        for k in LAYERS:
-            cells.append(f"{med[k]:8.1f} us" + (f" (+{med[k] - below:5.1f})" if below is not None
-                                                else " " * 9))
-            below = med[k]
+    for op, nbytes, ok, med, cpu in rows:
+        for label, values in (("", med), ("cpu", cpu)):
+            cells, below = [], None
+            for k in LAYERS:
+                cells.append(f"{values[k]:8.1f} us" + (f" (+{values[k] - below:5.1f})"
+                                                       if below is not None else " " * 9))
+                below = values[k]
+            print(f"{op if not label else '  ' + label:11s} {nbytes:8d}  "
+                  + "  ".join(f"{c:>22s}" for c in cells)
+                  + ("" if ok or label else "  WRONG VALUES"))
         wrong += not ok
-        print(f"{op:11s} {nbytes:8d}  " + "  ".join(f"{c:>22s}" for c in cells)
-              + ("" if ok else "  WRONG VALUES"))
     return 1 if wrong else 0
 
 
