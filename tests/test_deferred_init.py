@@ -236,3 +236,23 @@ def test_the_group_is_made_with_the_environment_of_the_call():
     for slot, t in harness.run_ranks(_environment_of_the_call, 2, "processes", JOB_TIMEOUT_S):
         assert slot == 1 << 20
         assert t == [3.0] * 4
+
+
+def test_every_method_torch_reaches_is_forwarded_or_answered():
+    """Guards: a ProcessGroup method the adapter overrides (torch reaches it through the
+    pybind trampolines, or its Python calls it on a backend) that DeferredProcessGroup
+    neither forwards nor defines would reach the C++ base instead: "not implemented"."""
+    from shmcoll.torch_backend.deferred import FORWARDED, DeferredProcessGroup
+    from shmcoll.torch_backend.hier_pg import HierProcessGroup, ProcessGroupShm
+    from shmcoll.torch_backend.process_group import EngineProcessGroup
+
+    public = set()
+    for cls in (EngineProcessGroup, ProcessGroupShm, HierProcessGroup):
+        for klass in cls.__mro__:
+            if klass.__module__.startswith("shmcoll.torch_backend"):
+                public |= {n for n in vars(klass) if not n.startswith("__")
+                           and (n in dir(dist.ProcessGroup) or not n.startswith("_"))}
+    mine = {n for n in vars(DeferredProcessGroup) if not n.startswith("__")}
+    internal = {"BACKEND_NAME", "Options", "executor_class"}  # class-level, not per call
+    missing = sorted(public - set(FORWARDED) - mine - internal)
+    assert not missing, missing
