@@ -256,3 +256,41 @@ def test_every_method_torch_reaches_is_forwarded_or_answered():
     internal = {"BACKEND_NAME", "Options", "executor_class"}  # class-level, not per call
     missing = sorted(public - set(FORWARDED) - mine - internal)
     assert not missing, missing
+
+
+def _shm_mappings():
+    with open("/proc/self/maps") as f:
+        return sum("shmcoll" in line for line in f)
+
+
+def _init_destroy_cycles(rank, world_size, store, n):
+    """init_process_group / destroy_process_group n times, a collective in every other
+    cycle (the rest destroy a group whose creation may still be running)."""
+    import threading
+    before = _shm_mappings()
+    for i in range(n):
+        import shmcoll  # noqa: F401
+        dist.init_process_group("shm", init_method=f"file://{store.path}/rdv{i}", rank=rank,
+                                world_size=world_size,
+                                timeout=datetime.timedelta(seconds=60))
+        if i % 2:
+            t = torch.full((3,), float(rank + i))
+            dist.all_reduce(t)
+            assert t.tolist() == [float(sum(r + i for r in range(world_size)))] * 3, t
+        dist.destroy_process_group()
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline and any(
+            t.name == "shmcoll-create" for t in threading.enumerate()):
+        time.sleep(0.01)  # a creation's thread ends right after it reports
+    creating = [t.name for t in threading.enumerate() if t.name == "shmcoll-create"]
+    return _shm_mappings() - before, creating
+
+
+def test_init_destroy_cycles_leave_no_mapping_and_no_thread():
+    """30 lifetimes of a default group through torch, half of them never used: no mapping
+    of a segment left in the process, no creation thread left (and no segment in
+    /dev/shm: conftest checks)."""
+    for mappings, threads in harness.run_ranks(_init_destroy_cycles, 2, "processes",
+                                               JOB_TIMEOUT_S, args=(30,)):
+        assert mappings == 0
+        assert threads == []
