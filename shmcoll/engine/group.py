@@ -571,7 +571,7 @@ class Group:
                 # Pieces that ride with the size table: staged through a reused array into
                 # the one-array form (one compiled call), then copied out; the same
                 # collective, whatever form or sizes the peers pass. Above the staging
-                # limit the two copies more cost more than the Python they save: the
+                # limit the two extra copies cost more than the Python they save: the
                 # pieces ride from where they lie (all_to_all_direct).
                 recvs = [f.flat.nbytes for f in flats]
                 staged = self._staging(sum(sends) + sum(recvs))
