@@ -6,6 +6,9 @@ target (shmcoll/_kernels/), so that a regular install loads them instead of comp
 them; ~20-40 s on 2 cores. Skipped for an editable install (its sources change: the
 kernels would never match).
 
+The C extension shmcoll.torch_backend._lane (the compiled latency path, lane.py) is built
+by build_ext, in place for an editable install; it is optional (OptionalBuildExt).
+
 SHMCOLL_BUILD_KERNELS: "auto" (default) builds them and, should that fail (a numba whose
 internals differ, a machine that runs none of the target CPUs), says so and builds the
 wheel without them: it then compiles its kernels on first use, as before. "require"
@@ -16,7 +19,8 @@ import os
 import subprocess
 import sys
 
-from setuptools import setup
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 from setuptools.command.build_py import build_py
 
 _MODES = ("auto", "require", "0")
@@ -51,4 +55,37 @@ class BuildPyWithKernels(build_py):
               f"compiles them on first use", file=sys.stderr, flush=True)
 
 
-setup(cmdclass={"build_py": BuildPyWithKernels})
+class OptionalBuildExt(build_ext):
+    """The compiled latency path (shmcoll/torch_backend/_lane.c) is optional: without a C
+    compiler or Python's headers the package installs without it and every call takes the
+    Python latency path (lane.py), with a warning here."""
+
+    def run(self):
+        try:
+            super().run()
+        except Exception as e:  # noqa: BLE001 - distutils raises several kinds
+            self._skipped(e)
+
+    def build_extension(self, ext):
+        try:
+            super().build_extension(ext)
+        except Exception as e:  # noqa: BLE001
+            # an earlier build's, here or in the source tree (editable): stale
+            for stale in (self.get_ext_fullpath(ext.name),
+                          os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                       self.get_ext_filename(ext.name))):
+                if os.path.exists(stale):
+                    os.remove(stale)
+            self._skipped(e)
+
+    @staticmethod
+    def _skipped(e):
+        print(f"shmcoll: WARNING: the compiled latency path was not built ({e}); "
+              f"collectives take the Python one", file=sys.stderr, flush=True)
+
+
+LANE = Extension("shmcoll.torch_backend._lane", ["shmcoll/torch_backend/_lane.c"],
+                 extra_compile_args=["-O2", "-std=c11"])
+
+setup(cmdclass={"build_py": BuildPyWithKernels, "build_ext": OptionalBuildExt},
+      ext_modules=[LANE])

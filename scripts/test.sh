@@ -8,6 +8,9 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh
 PY=${PYTHON:-python3}
 t0=$SECONDS
+# the install built the compiled latency path (optional for users, not here)
+"$PY" -c "from shmcoll.torch_backend import lane; import sys; sys.exit(0 if lane.available()
+         else 'test.sh: shmcoll/torch_backend/_lane.c was not built (see the install output)')"
 "$PY" -m shmcoll.engine.warmup
 "$PY" -m pytest tests -q -m "not slow" -p no:cacheprovider --ignore=tests/conformance \
     --durations 20 "$@"

@@ -30,7 +30,7 @@ TORCH_PID=$!
 # Build from a copy of the sources: an in-tree build leaves build/ and egg-info behind.
 mkdir "$WORK/src"
 tar --exclude=.git --exclude=__pycache__ --exclude=build --exclude='*.egg-info' \
-    --exclude=results -cf - . | tar -xf - -C "$WORK/src"
+    --exclude=results --exclude='*.so' -cf - . | tar -xf - -C "$WORK/src"
 # require: a wheel whose kernels failed to build fails here, not later as a slow first call
 SHMCOLL_BUILD_KERNELS=require "$PY" -m pip wheel -q --no-deps -w "$WORK/dist" "$WORK/src"
 WHEEL=$(ls "$WORK"/dist/shmcoll-*.whl)
@@ -41,6 +41,10 @@ echo "wheel check: built $(basename "$WHEEL") ($(du -k "$WHEEL" | cut -f1) KiB,"
 if grep -q '__pycache__' <<<"$LISTING" || \
         grep -v '^shmcoll/_kernels/' <<<"$LISTING" | grep -q '\.nb[ic]$'; then
     echo "wheel check: the wheel carries compiled caches outside shmcoll/_kernels/" >&2
+    exit 1
+fi
+if ! grep -q '^shmcoll/torch_backend/_lane\..*\.so$' <<<"$LISTING"; then
+    echo "wheel check: the wheel has no compiled latency path (shmcoll/torch_backend/_lane)" >&2
     exit 1
 fi
 if ! grep -q '^shmcoll/_kernels/[^/]*/manifest\.json$' <<<"$LISTING"; then

@@ -90,6 +90,9 @@ class Config(NamedTuple):
     # background thread (torch_backend/deferred.py); True: they wait for it, and a failed
     # creation raises there instead of at the group's first call
     eager_init: bool = False
+    # The compiled latency path of "shm" process groups (torch_backend/lane.py): False keeps
+    # every call on the Python one (same results; for comparison and as a fallback)
+    lane: bool = True
     # Hierarchical all_reduce (and broadcast, reduce_scatter_tensor): below this many bytes
     # the node leaders alone talk to other nodes (intra reduce, leaders' exchange, intra
     # broadcast); from it every local rank exchanges its 1/L shard (intra reduce-scatter,
@@ -128,6 +131,7 @@ _ENV = {
     "SHMCOLL_NODE_ID": ("node_id", str),
     "SHMCOLL_EAGER_INIT": ("eager_init", lambda v: v not in ("0", "false", "no", "")),
     "SHMCOLL_HIER_SHARD_MIN_BYTES": ("hier_shard_min_nbytes", int),
+    "SHMCOLL_LANE": ("lane", lambda v: v not in ("0", "false", "no", "")),
 }
 
 

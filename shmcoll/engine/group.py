@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 from .. import algorithms
-from ..protocol import ONE_STEP_ALL_TO_ALL
+from ..protocol import ONE_STEP_ALL_TO_ALL, Arena
 from ..native import compiled
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError, ShmcollError
 from .group_args import BYTES, all_to_all_args, all_to_all_single_counts, as_bytes, \
@@ -313,6 +313,100 @@ class Group:
         self._plans[key] = plan
         return plan
 
+    def _plan_broadcast(self, key, array):
+        """broadcast's plan of a contiguous array (key: its dtype, shape and root)."""
+        root = key[3]
+        self._root("broadcast", root)
+        return self._plan(key, "broadcast", (dtype_code(array), array.size, root, 0,
+                                             shape_word(array)),
+                          self._select("broadcast", array.nbytes), array.nbytes, BYTES)
+
+    def _plan_all_gather(self, key, src):
+        """all_gather's plan into one array, of a contiguous input (key: dtype, shape)."""
+        return self._plan(key, "all_gather", (dtype_code(src), src.size, 0, 0, shape_word(src)),
+                          self._select("all_gather", src.nbytes), src.nbytes, BYTES)
+
+    # -- the compiled latency path (torch_backend/_lane.c) ---------------------------------
+
+    def lane_constants(self):
+        """What a lane's C calls of the one-step kernel need from this group, fixed for its
+        life (Arena.lane_constants: cfg, peer table, slot address arrays, clock), or None
+        where collectives do not go through an arena of rank processes (one rank; rank
+        threads keep the Python path). Loads nothing."""
+        arena = self._arena
+        if arena is None or arena.threads:
+            return None
+        return arena.lane_constants()
+
+    def lane_entry(self):
+        """The address of the one-step kernel's C entry (Arena.lane_entry), loaded or
+        compiled now (load_lane_entry: by the warm-up, where the adapter asked for it)."""
+        return self._arena.lane_entry()
+
+    @staticmethod
+    def load_lane_entry():
+        """Load (or compile) the one-step kernel's C entry for this process."""
+        Arena.lane_entry()
+
+    def one_step_plan(self, name, array, out=None, root=-1, op=ReduceOp.SUM):
+        """The plan `name` takes for these contiguous arrays (all_reduce and reduce_scatter
+        with `op`, broadcast from `root`) when the one-step kernel runs it whole: the same
+        plan, under the same key, as the call's own latency path; None when it does not.
+        Raises what the call raises for a bad root or an unsupported reduction."""
+        if self._arena is None:
+            return None
+        if name == "all_reduce":
+            key = ("all_reduce", array.dtype, array.shape, op, None, 1.0)
+            plan = self._plans.get(key) or self._plan_all_reduce(key, array)
+        elif name == "broadcast":
+            key = ("broadcast", array.dtype, array.shape, root)
+            plan = self._plans.get(key) or self._plan_broadcast(key, array)
+        elif name == "all_gather":
+            key = ("all_gather", array.dtype, array.shape)
+            plan = self._plans.get(key) or self._plan_all_gather(key, array)
+        elif name == "reduce_scatter":
+            key = ("reduce_scatter", array.dtype, array.shape, out.shape, op, None, 1.0)
+            plan = self._plans.get(key) or self._plan_reduce_scatter(key, out, array)
+        elif name == "all_to_all":
+            key = ("all_to_all", array.dtype, array.size)
+            plan = self._plans.get(key) or self._plan_all_to_all(key, array)
+        else:
+            raise ValueError(f"one_step_plan: no one-step form of {name!r}")
+        return plan if plan.mode is not None else None
+
+    def lane_done(self, name, nbytes, seq, t_start):
+        """A lane ran collective `seq` (`name`, one_step_plan's plan of `nbytes`) through
+        the one-step kernel in one clean pass (and recorded its step in the arena's clock,
+        Arena.lane_constants): its count and record, as _run_one_step leaves them."""
+        self._seq = seq
+        self.flight_record.append({"seq": seq, "op": name, "nbytes": nbytes,
+                                   "state": "completed", "t_start": t_start,
+                                   "t_end": time.time()})
+
+    def lane_resume(self, name, plan, seq, i, step, publishes, r, src, out, root, timeout_s,
+                    t_start, t_mono):
+        """A lane's one-step kernel returned `r` (not a clean pass) for collective `seq`:
+        the rest of it as _run_one_step does it (Arena.one_step_resume, all_to_all's
+        finish), its record, and its failure (the group poisoned unless it stays usable).
+        `src` and `out`: the uint8 arrays the kernel was given (out None for all_reduce and
+        broadcast); `t_mono`: time.monotonic() before the kernel."""
+        self._seq = seq
+        entry = {"seq": seq, "op": name, "nbytes": plan.nbytes, "state": "started",
+                 "t_start": t_start, "t_end": None}
+        self.flight_record.append(entry)
+        try:
+            i = self._arena.one_step_resume(seq, name, plan.mode, plan.words, plan.pre,
+                                            plan.post, src, out, root, timeout_s,
+                                            t_mono + timeout_s, i, step, publishes, r)
+            if i is not None:  # all_to_all: a peer's table differs (see all_to_all_single)
+                n = self.world_size
+                algorithms.all_to_all_finish(self._arena, i, pieces(src, None, n),
+                                             pieces(out, None, n))
+        except BaseException as e:
+            self._failed(entry, seq, e)
+            raise
+        entry["state"], entry["t_end"] = "completed", time.time()
+
     # -- reductions: all_reduce, reduce, reduce_scatter ------------------------------------
 
     def all_reduce(self, array, op=ReduceOp.SUM, dtype=None, timeout_s=None, premul=1.0):
@@ -449,11 +543,7 @@ class Group:
             key = ("broadcast", array.dtype, array.shape, root)
             plan = self._plans.get(key)
             if plan is None:
-                self._root("broadcast", root)
-                plan = self._plan(key, "broadcast", (dtype_code(array), array.size, root, 0,
-                                                     shape_word(array)),
-                                  self._select("broadcast", array.nbytes), array.nbytes,
-                                  BYTES)
+                plan = self._plan_broadcast(key, array)
             if plan.mode is not None:
                 self._run_one_step("broadcast", plan, as_bytes(array), None, root,
                                    timeout_s)
@@ -485,10 +575,7 @@ class Group:
                 key = ("all_gather", array.dtype, array.shape)
                 plan = self._plans.get(key)
                 if plan is None:
-                    plan = self._plan(key, "all_gather", (dtype_code(array), src.size, 0, 0,
-                                                          shape_word(array)),
-                                      self._select("all_gather", src.nbytes), src.nbytes,
-                                      BYTES)
+                    plan = self._plan_all_gather(key, src)
                 if plan.mode is not None:
                     self._run_one_step("all_gather", plan, as_bytes(src), as_bytes(outs), -1,
                                        timeout_s)

@@ -48,7 +48,8 @@ from ..native.op_codes import OP_SUM
 from ..p2p import compiled
 from .init_phases import phase
 
-__all__ = ["warm_up", "warm_up_async", "wait_ready", "ensure", "FIRST_REDUCERS"]
+__all__ = ["warm_up", "warm_up_async", "wait_ready", "ensure", "load_with_first",
+           "FIRST_REDUCERS"]
 
 # (kind, storage, kernel op): what a first collective nearly always reduces (a dtype, as
 # ops.reduce_spec asks for it: kernels.reducer caches by the value it is given)
@@ -92,6 +93,9 @@ def warm_up(reducers=None):
                 atomics.warm_up()
             with _step("kernels: one-step"):
                 protocol_kernels.warm_up_one_step()
+            for what, load in tuple(_with_first):
+                with _step(f"kernels: {what}"):
+                    load()
             if reducers is None:
                 protocol_kernels.warm_up()
                 kernels.warm_up()
@@ -107,6 +111,17 @@ def warm_up(reducers=None):
         finally:
             _ready.set()  # a failed warm-up must not block the first call (ensure raises)
     return time.perf_counter() - t0
+
+
+_with_first = []  # (what, load): load_with_first's, in order
+
+
+def load_with_first(what, load):
+    """Have every warm-up also load `load()` (named `what` in its phases) right after the
+    one-step kernel: what a layer above needs for its groups' first calls (the torch
+    adapter's compiled latency path: its kernel entry). Once per `what`."""
+    if all(w != what for w, _ in _with_first):
+        _with_first.append((what, load))
 
 
 def _ready_numba():

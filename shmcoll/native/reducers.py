@@ -46,7 +46,7 @@ from . import jit
 from .op_codes import OP_BAND, OP_BOR, OP_BXOR, OP_MAX, OP_MIN, OP_PRODUCT, OP_SUM
 
 __all__ = [
-    "reducer", "call_reduce", "reduce_into", "reduce_unchecked",
+    "reducer", "call_reduce", "view_1d", "view_2d", "reduce_into", "reduce_unchecked",
     "OP_SUM", "OP_PRODUCT", "OP_MIN", "OP_MAX", "OP_BAND", "OP_BOR", "OP_BXOR",
     "KINDS", "warm_up", "f16_to_f32", "f32_to_f16", "bf16_to_f32", "f32_to_bf16",
 ]
@@ -123,6 +123,33 @@ def _view(typingctx, addr, dtype, count):
         return ary._getvalue()
 
     return arrty(addr, dtype, count), codegen
+
+
+view_1d = _view  # for the other layers' kernels (protocol.kernels.one_step_entry)
+
+
+@intrinsic
+def view_2d(typingctx, addr, dtype, rows, cols):
+    """_view's 2-D sibling: a C-contiguous rows x cols array of `dtype` at `addr`."""
+    if not isinstance(addr, types.Integer) or not isinstance(dtype, types.NumberClass) \
+            or not isinstance(rows, types.Integer) or not isinstance(cols, types.Integer):
+        return None
+    arrty = types.Array(dtype.instance_type, 2, "C")
+
+    def codegen(context, builder, sig, args):
+        elem = context.get_data_type(dtype.instance_type)
+        itemsize = context.get_abi_sizeof(elem)
+        nrows = context.cast(builder, args[2], sig.args[2], types.intp)
+        ncols = context.cast(builder, args[3], sig.args[3], types.intp)
+        ary = context.make_array(arrty)(context, builder)
+        context.populate_array(
+            ary, data=builder.inttoptr(args[0], elem.as_pointer()), shape=[nrows, ncols],
+            strides=[builder.mul(ncols, context.get_constant(types.intp, itemsize)),
+                     context.get_constant(types.intp, itemsize)],
+            itemsize=itemsize, meminfo=None)
+        return ary._getvalue()
+
+    return arrty(addr, dtype, rows, cols), codegen
 
 
 @intrinsic

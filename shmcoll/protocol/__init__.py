@@ -516,10 +516,22 @@ class Arena:
         pk = compiled.protocol_kernels
         r = pk._one_step_kernel(mode, src, out, self._cfg, self._peer_tab, srcs, plan, pre,
                                 post, seq, step, root)
-        clean = r == -1 or r == ONE_STEP_NOT_CONSUMED
-        clock.one_step(i, step, publishes, clean)
         if r == -1:
+            clock.one_step(i, step, publishes, True)
             return None
+        return self.one_step_resume(seq, op_name, mode, plan, pre, post, src, out, root,
+                                    timeout_s, deadline, i, step, publishes, r)
+
+    def one_step_resume(self, seq, op_name, mode, plan, pre, post, src, out, root, timeout_s,
+                        deadline, i, step, publishes, r):
+        """The rest of one_step after its kernel returned `r` (not -1) for collective `seq`
+        through slot i, posting `step` (publishing slot i when `publishes`); also where a
+        lane (torch_backend/_lane.c: the kernel called from C) hands such a call back.
+        Returns what one_step returns."""
+        if out is None:
+            out = _NO_BYTES
+        clean = r == ONE_STEP_NOT_CONSUMED
+        self._clock.one_step(i, step, publishes, clean)
         # The kernel posted (with the fingerprint) but did not finish: the general path's
         # state for this collective, as begin() would have left it, then its slow wait.
         self.frame.reopen(seq, op_name, timeout_s, deadline,
@@ -528,8 +540,23 @@ class Arena:
             self._finish_wait(step, -1, True)
             return i
         self._finish_wait(step, r, True)
-        r = pk._one_step_consume(mode, src, out, srcs, self.rank, root, plan, pre, post)
+        r = compiled.protocol_kernels._one_step_consume(mode, src, out, self._slot_addrs[i],
+                                                        self.rank, root, plan, pre, post)
         return None if r == -1 else i
+
+    def lane_constants(self):
+        """What a lane's C calls of the one-step kernel take from this arena, fixed for its
+        life: (cfg, peer table, slot address arrays, clock); the arrays stay referenced by
+        the arena (and by the lane) while it is open. A lane does what one_step does
+        around its kernel: it reads the clock, and records a clean pass with
+        `clock.one_step(i, step, publishes, True)`; any other pass it hands back to
+        one_step_resume."""
+        return self._cfg, self._peer_tab, self._slot_addrs, self._clock
+
+    @staticmethod
+    def lane_entry():
+        """The address of the one-step kernel's C entry (kernels.one_step_entry)."""
+        return compiled.protocol_kernels.one_step_entry()
 
     def exchange_gather(self, i, inp, out, sub_nbytes):
         """out[j * inp.size: (j + 1) * inp.size] = rank j's `inp`, for every rank j (uint8

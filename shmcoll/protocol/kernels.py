@@ -19,7 +19,7 @@ import numpy as np
 from ..native import jit
 from ..native.atomics import add_release, cas_acq_rel, copy_bytes, cpu_pause, fence_seq_cst, \
     futex_wait, futex_wake, load_acquire, monotonic_ns, sched_yield, store_release, wait_all_ge
-from ..native.reducers import call_reduce
+from ..native.reducers import call_reduce, view_1d, view_2d
 from .layout import (  # noqa: F401  (the steps' numbers; also read here by tests)
     _CFG_FP0,
     _CFG_GIL,
@@ -37,6 +37,7 @@ from .layout import (  # noqa: F401  (the steps' numbers; also read here by test
     _PEER_FP0,
     _PEER_POSTED,
     _PEER_STATE,
+    _LANE_ENTRY,
     _SINGLE_COPY,
     _SLEEPERS_DELTA,
     _STREAM,
@@ -133,7 +134,7 @@ def _warm_single_copy():
 
 _KERNEL_SETS = ((_ONE_STEP, _warm_one_step), (_EXCHANGE, _warm_exchange),
                 (_STREAM, _warm_stream), (_TWO_SHOT, _warm_two_shot),
-                (_SINGLE_COPY, _warm_single_copy))
+                (_SINGLE_COPY, _warm_single_copy), (_LANE_ENTRY, lambda: one_step_entry()))
 
 
 def warm_up_one_step():
@@ -557,3 +558,40 @@ def _consume(mode, src, byte_offset, nbytes, srcs, ring, rank, root, fn, op, pre
             copy_bytes(base + j * stride, srcs[j] + ring, nbytes)
         elif base + j * stride != src.ctypes.data + byte_offset:  # else in place
             copy_bytes(base + j * stride, src.ctypes.data + byte_offset, nbytes)
+
+
+# ------------------------------------------- the one-step kernel as a C function (lanes)
+
+def _one_step_entry(mode, src, src_n, out, out_n, cfg, cfg_n, tab, tab_rows, tab_cols, srcs,
+                    world, plan, plan_n, pre, post, seq, step, root):
+    """_one_step_kernel of arrays rebuilt from their addresses and sizes (reducers.view_1d:
+    no numba.carray, whose helper's environment would import numba.np.arrayobj at load)."""
+    return _one_step_kernel(mode, view_1d(src, np.uint8, src_n), view_1d(out, np.uint8, out_n),
+                            view_1d(cfg, np.int64, cfg_n),
+                            view_2d(tab, np.int64, tab_rows, tab_cols),
+                            view_1d(srcs, np.int64, world), view_1d(plan, np.int64, plan_n),
+                            pre, post, seq, step, root)
+
+
+_entry = []  # the compiled entry, once made
+
+
+def one_step_entry():
+    """The address of `_one_step_kernel` as a C function of addresses and sizes,
+    int64(mode, src, src_n, out, out_n, cfg, cfg_n, tab, tab_rows, tab_cols, srcs, world,
+    plan, plan_n, pre, post, seq, step, root) (every argument an int64 but pre and post,
+    doubles; src and out: the addresses of uint8 arrays, cfg, tab, srcs and plan of int64
+    ones, tab tab_rows x tab_cols, srcs world long): what torch_backend/_lane.c calls, without numba's dispatcher (~1 us a call
+    with the arrays typed). Compiled, or loaded from the kernel caches, once per process,
+    under the compile lock."""
+    if not _entry:
+        with jit.compiling(_LANE_ENTRY):
+            if not _entry:
+                _entry.append(jit.cfunc(_entry_signature(), _one_step_entry))
+    return _entry[0].address
+
+
+def _entry_signature():
+    from numba import types
+    i64, f64 = types.int64, types.float64
+    return i64(*[i64] * 14, f64, f64, i64, i64, i64)

@@ -79,6 +79,7 @@ _EXCHANGE = "shmcoll's exchange and wait kernels"
 _STREAM = "shmcoll's streaming kernels"
 _TWO_SHOT = "shmcoll's two-shot kernels"
 _SINGLE_COPY = "shmcoll's single-copy kernels"
+_LANE_ENTRY = "shmcoll's one-step kernel's C entry"
 # "no bytes": the source of a step that publishes nothing
 _NO_BYTES = np.zeros(0, np.uint8)
 

@@ -88,6 +88,8 @@ def _run(pg, fn, *args):
     with pg._lock:
         pg._seq += 1
     pg._executor.run_inline(fn, *args)
+    if pg._lane_unarmed:  # the group's first latency-path call: its kernels are loaded
+        pg._arm_lane()
     return pg._completed_work
 
 

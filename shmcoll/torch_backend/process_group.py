@@ -23,6 +23,7 @@ the plumbing, coalescing, split and lifecycle; pg_args.py the Options and the ar
 coercions.
 """
 
+import logging
 import threading
 import weakref
 
@@ -31,7 +32,7 @@ import torch.distributed as dist
 
 from .. import config as _config
 from ..errors import GroupAbortedError
-from . import checks
+from . import checks, lane
 from .barriers import BarrierMixin
 from .convert import timeout_s, to_seconds
 from .executor import Executor
@@ -43,6 +44,8 @@ from .reductions import ReduceMixin
 from .work import CompletedWork, Job, ShmWork, torch_error
 
 __all__ = ["EngineProcessGroup", "ShmOptions"]
+
+log = logging.getLogger("shmcoll")
 
 
 class EngineProcessGroup(ReduceMixin, MovementMixin, GatherScatterMixin, P2PMixin, BarrierMixin,
@@ -89,8 +92,30 @@ class EngineProcessGroup(ReduceMixin, MovementMixin, GatherScatterMixin, P2PMixi
         done.execute()
         done.complete()
         self._completed_work = CompletedWork(self._executor, done)  # returned by sync ops
+        # The compiled latency path (lane.py), where it can run: it takes over the methods
+        # of its five collectives (instance attributes, found first by torch's trampolines)
+        # and is armed by the first latency-path call (_arm_lane).
+        self._lane = lane.build(self)
+        self._lane_unarmed = self._lane is not None
+        if self._lane is not None:
+            for op, names in enumerate(lane.METHODS):
+                method = self._lane.call(op)
+                for name in names:
+                    setattr(self, name, method)
 
     # -- plumbing ------------------------------------------------------------------------
+
+    def _arm_lane(self):
+        """Give the lane its kernel entry (fast._run, after the first latency-path call: the
+        group's kernels are loaded by then). Where that fails, the lane stays off and every
+        call keeps the Python path."""
+        self._lane_unarmed = False
+        try:
+            lane.arm(self._lane, self.group)
+        except Exception as e:  # noqa: BLE001 - the Python path still works
+            self._lane.disable()
+            log.warning("shmcoll: the compiled latency path is off for group %r (%s: %s); "
+                        "calls take the Python path", self.group.name, type(e).__name__, e)
 
     def _submit(self, name, fn, value, count_seq=True, opts=None):
         """Queue `fn` (runs in issue order); the Work's future gets `value`."""
