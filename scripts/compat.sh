@@ -72,6 +72,7 @@ run_tests() {
     tests/test_torch_compat.py tests/test_torch_backend*.py tests/test_gloo_seeds_*.py \
     tests/test_threaded_pg_*.py tests/test_threaded_rng.py tests/test_futures.py tests/test_ddp.py \
     tests/test_programs.py tests/test_autoload.py tests/test_tensor_memory.py tests/test_deferred_init.py \
+    tests/test_lane.py \
     tests/test_cuda_ipc.py::test_a_callers_default_device_does_not_leak_into_the_backend \
     tests/test_cuda_ipc.py::test_ddp_on_the_device_path \
     tests/test_cuda_ipc.py::test_reduce_matches_the_host_kernel \

@@ -15,10 +15,14 @@ import torch
 import torch.distributed as dist
 
 from shmcoll.torch_backend import lane as lane_mod
+from shmcoll.torch_backend.compat import OPTIONS_HAVE_ASYNC_OP
 from tests import harness
 
+ON = lane_mod.available() and OPTIONS_HAVE_ASYNC_OP
 pytestmark = pytest.mark.skipif(not lane_mod.available(),
                                 reason="the C extension was not built here")
+needs_lane = pytest.mark.skipif(not OPTIONS_HAVE_ASYNC_OP,
+                                reason="this torch's options cannot say synchronous: no lane")
 
 JOB_TIMEOUT_S = 90
 _ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -99,6 +103,7 @@ def _values_and_records(rank, ws):
     return pg._seq
 
 
+@needs_lane
 def test_values_sequence_numbers_and_records_through_the_lane():
     seqs = harness.run_torch_ranks(_values_and_records, 2, "shm", JOB_TIMEOUT_S)
     assert seqs[0] == seqs[1]
@@ -111,6 +116,7 @@ def _three(rank, ws):
     return _lane_runs(_pg())
 
 
+@needs_lane
 def test_values_at_three_ranks():
     for runs in harness.run_torch_ranks(_three, 3, "shm", JOB_TIMEOUT_S):
         assert runs == 10, runs
@@ -161,6 +167,7 @@ def _declines(rank, ws):
     return [v is None for v in new.values()], _lane_runs(pg) - runs0
 
 
+@needs_lane
 def test_other_calls_take_the_python_methods():
     for declined, ran in harness.run_torch_ranks(_declines, 2, "shm", JOB_TIMEOUT_S):
         assert declined == [True] and ran == 0, (declined, ran)
@@ -185,6 +192,7 @@ def _late_peer(rank, ws):
     return pg.group.seq
 
 
+@needs_lane
 def test_a_late_peer_is_finished_in_python():
     seqs = harness.run_torch_ranks(_late_peer, 2, "shm", JOB_TIMEOUT_S)
     assert seqs[0] == seqs[1]
@@ -205,6 +213,7 @@ def _mismatch(rank, ws):
     return err
 
 
+@needs_lane
 @pytest.mark.parametrize("lane", ["1", "0"])
 def test_a_mismatch_raises_what_the_python_path_raises(lane):
     errs = harness.run_torch_ranks(_mismatch, 2, "shm", JOB_TIMEOUT_S,
@@ -230,6 +239,7 @@ def _timeout(rank, ws):
         "aborted after an earlier failure" in str(again.value)
 
 
+@needs_lane
 def test_a_peer_that_never_comes_times_out_then_the_group_is_poisoned():
     took, typed, names_op, says_timeout, poisoned = \
         harness.run_torch_ranks(_timeout, 2, "shm", JOB_TIMEOUT_S)[0]
@@ -250,6 +260,7 @@ def _after_async(rank, ws):
     return True
 
 
+@needs_lane
 def test_queued_async_ops_run_before_a_lane_call():
     assert all(harness.run_torch_ranks(_after_async, 2, "shm", JOB_TIMEOUT_S))
 
@@ -263,6 +274,7 @@ def _deferred_forwards(rank, ws):
                for names in lane_mod.METHODS for name in names)
 
 
+@needs_lane
 def test_torch_reaches_the_lane_through_the_deferred_group():
     assert all(harness.run_torch_ranks(_deferred_forwards, 2, "shm", JOB_TIMEOUT_S))
 
@@ -283,5 +295,16 @@ def _released(rank, ws):
     return gone
 
 
+@needs_lane
 def test_a_destroyed_group_and_its_lane_go_without_the_collector():
     assert all(harness.run_torch_ranks(_released, 2, "shm", JOB_TIMEOUT_S))
+
+
+def _installed(rank, ws):
+    return _pg()._lane is not None
+
+
+def test_on_by_default_where_torch_can_say_synchronous():
+    """torch >= 2.5's options carry asyncOp: the lane is on; torch 2.4's do not (compat):
+    every call keeps the Python path, which runs nothing inline there either."""
+    assert harness.run_torch_ranks(_installed, 2, "shm", JOB_TIMEOUT_S) == [ON, ON]
