@@ -581,9 +581,9 @@ def one_step_entry():
     int64(mode, src, src_n, out, out_n, cfg, cfg_n, tab, tab_rows, tab_cols, srcs, world,
     plan, plan_n, pre, post, seq, step, root) (every argument an int64 but pre and post,
     doubles; src and out: the addresses of uint8 arrays, cfg, tab, srcs and plan of int64
-    ones, tab tab_rows x tab_cols, srcs world long): what torch_backend/_lane.c calls, without numba's dispatcher (~1 us a call
-    with the arrays typed). Compiled, or loaded from the kernel caches, once per process,
-    under the compile lock."""
+    ones, tab tab_rows x tab_cols, srcs world long): what torch_backend/_lane.c calls,
+    without numba's dispatcher (~1 us a call with the arrays typed). Compiled, or loaded
+    from the kernel caches, once per process, under the compile lock."""
     if not _entry:
         with jit.compiling(_LANE_ENTRY):
             if not _entry:

@@ -32,7 +32,7 @@ typedef int64_t (*one_step_fn)(int64_t mode, int64_t src, int64_t src_n, int64_t
 
 enum { OP_ALLREDUCE, OP_BROADCAST, OP_ALL_GATHER, OP_REDUCE_SCATTER, OP_ALL_TO_ALL, N_OPS };
 
-/* dtype flags (lane.py's _dtype_flags): bits 0-7 the element size, then: */
+/* dtype flags (lane.py's _DTYPES): bits 0-7 the element size, then: */
 #define DT_BYTES 0x100   /* moved as bytes (broadcast, gathers, all_to_all) */
 #define DT_REDUCE 0x200  /* reduced by the latency path (fast._FAST_DTYPES) */
 #define DT_COMPLEX 0x400 /* complex: a lazily conjugated tensor takes the Python path */
@@ -167,8 +167,8 @@ static PyObject *timeout_of(Lane *self, PyObject *opts) {
 }
 
 /* The plan entry for `key` (steals it): (plan, mode, words address, words length, pre,
-   post, nbytes, name, engine reduce op), asked of the planner once per key; DECLINE where the lane does not
-   run this call shape. New reference, or NULL on an error. */
+   post, nbytes, name, engine reduce op), asked of the planner once per key; DECLINE where
+   the lane does not run this call shape. New reference, or NULL on an error. */
 static PyObject *plan_for(Lane *self, PyObject *pg, PyObject *key, int op, PyObject *out,
                           PyObject *in, long root, int redop) {
     if (key == NULL) return NULL;
@@ -385,7 +385,8 @@ static int opts_is(Lane *self, PyObject *opts, int op) {
 }
 
 /* pg.allreduce([t], opts) of dist.all_reduce(t) */
-static PyObject *try_allreduce(Lane *self, PyObject *pg, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *try_allreduce(Lane *self, PyObject *pg, PyObject *const *args,
+                                  Py_ssize_t nargs) {
     if (nargs != 2 || !opts_is(self, args[1], OP_ALLREDUCE) || !PyList_CheckExact(args[0])
             || PyList_GET_SIZE(args[0]) != 1)
         return DECLINE;
@@ -404,7 +405,8 @@ static PyObject *try_allreduce(Lane *self, PyObject *pg, PyObject *const *args, 
 }
 
 /* pg.broadcast([t], opts) of dist.broadcast(t, src) */
-static PyObject *try_broadcast(Lane *self, PyObject *pg, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *try_broadcast(Lane *self, PyObject *pg, PyObject *const *args,
+                                  Py_ssize_t nargs) {
     if (nargs != 2 || !opts_is(self, args[1], OP_BROADCAST) || !PyList_CheckExact(args[0])
             || PyList_GET_SIZE(args[0]) != 1)
         return DECLINE;
@@ -440,7 +442,8 @@ static int pair_info(Lane *self, PyObject *out, PyObject *in, int64_t need, Tens
 }
 
 /* pg._allgather_base(out, in, opts) of dist.all_gather_into_tensor */
-static PyObject *try_all_gather(Lane *self, PyObject *pg, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *try_all_gather(Lane *self, PyObject *pg, PyObject *const *args,
+                                  Py_ssize_t nargs) {
     if (nargs != 3 || !opts_is(self, args[2], OP_ALL_GATHER)) return DECLINE;
     PyObject *out = args[0], *in = args[1];
     TensorInfo o, i;
@@ -458,7 +461,8 @@ static PyObject *try_all_gather(Lane *self, PyObject *pg, PyObject *const *args,
 }
 
 /* pg._reduce_scatter_base(out, in, opts) of dist.reduce_scatter_tensor */
-static PyObject *try_reduce_scatter(Lane *self, PyObject *pg, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *try_reduce_scatter(Lane *self, PyObject *pg, PyObject *const *args,
+                                  Py_ssize_t nargs) {
     if (nargs != 3 || !opts_is(self, args[2], OP_REDUCE_SCATTER)) return DECLINE;
     PyObject *out = args[0], *in = args[1];
     TensorInfo o, i;
@@ -490,7 +494,8 @@ static int empty_list(PyObject *splits) {
 }
 
 /* pg.alltoall_base(out, in, [], [], opts) of dist.all_to_all_single without splits */
-static PyObject *try_all_to_all(Lane *self, PyObject *pg, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *try_all_to_all(Lane *self, PyObject *pg, PyObject *const *args,
+                                  Py_ssize_t nargs) {
     if (nargs != 5 || !opts_is(self, args[4], OP_ALL_TO_ALL) || !empty_list(args[2])
             || !empty_list(args[3]))
         return DECLINE;
