@@ -8,9 +8,14 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh
 PY=${PYTHON:-python3}
 t0=$SECONDS
-# the install built the compiled latency path (optional for users, not here)
-"$PY" -c "from shmcoll.torch_backend import lane; import sys; sys.exit(0 if lane.available()
-         else 'test.sh: shmcoll/torch_backend/_lane.c was not built (see the install output)')"
+# whether the install built the compiled latency path: optional (no C compiler, no lane:
+# its tests skip), required where SHMCOLL_REQUIRE_LANE=1 (CI: .ci/run)
+if ! "$PY" -c "from shmcoll.torch_backend import lane; import sys; sys.exit(not lane.available())"
+then
+  echo "test.sh: WARNING: shmcoll/torch_backend/_lane.c was not built (no C compiler or" \
+       "Python headers? see the install output): its tests skip" >&2
+  [ "${SHMCOLL_REQUIRE_LANE:-0}" != 1 ] || exit 1
+fi
 "$PY" -m shmcoll.engine.warmup
 "$PY" -m pytest tests -q -m "not slow" -p no:cacheprovider --ignore=tests/conformance \
     --durations 20 "$@"
