@@ -8,8 +8,9 @@ lookup and the kernel call (a numba cfunc, called with the GIL released as numba
 dispatcher does) without the ~10 us of Python of fast.py, Group and Arena. Everything
 else goes to the group's own Python method, which owns every check error and every other
 path. State is written only through its owners: the lane reads the group's, the arena
-clock's and the executor's state; the engine records a clean pass (Group.lane_done), and
-a pass the kernel did not finish goes on in Python (lane.py's resume, Arena.one_step_resume)
+clock's and the executor's state; after a clean pass the clock records the step (its
+one_step, as Arena.one_step calls it) and the engine the pass (Group.lane_done), and a
+pass the kernel did not finish goes on in Python (lane.py's resume, Arena.one_step_resume)
 exactly as on the Python path. The one state the lane writes itself is the process
 group's sequence number, which fast.py's latency path writes too (the lane is that path,
 compiled).

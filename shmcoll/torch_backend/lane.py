@@ -15,17 +15,20 @@ kernel runs whole (Group.one_step_plan: up to a slot, by algorithms.select); eve
 else -- a larger size, lists, strided or device tensors, async ops, coalescing, a poisoned
 group, bad arguments -- goes to the group's Python method, unchanged, which owns every
 check error. The Lane writes no state but the process group's sequence number (as fast.py
-does); the engine records a clean pass (Group.lane_done: seq, flight record, the arena's
-clock), and a pass the kernel did not finish (a late peer, a mismatch, an abort) goes on
-in Python where the Python path goes on (`_resume`: Group.lane_resume,
-Arena.one_step_resume), so errors, deadlines and records are the Python path's. Under
+does); after a clean pass the arena's clock records the step (its one_step, as
+Arena.one_step calls it) and the engine the pass (Group.lane_done: seq, flight record); a
+pass the kernel did not finish (a late peer, a mismatch, an abort) goes on in Python where
+the Python path goes on (`_resume`: Group.lane_resume, Arena.one_step_resume), so errors,
+deadlines and records are the Python path's. Under
 Executor.run_inline, as fast.py: queued async ops run first, shutdown from another thread
 aborts the call.
 
 Installed by EngineProcessGroup at creation as instance attributes (torch's trampolines
-find them; DeferredProcessGroup forwards them), armed after the group's first latency-path
-call (`arm`: loading the C entry, ~30 ms warm, must not slow group creation, which loads no
-numba): until then every call takes the Python method. Off with SHMCOLL_LANE=0, where the
+find them; DeferredProcessGroup forwards them: LaneCall objects, not builtin methods,
+which pybind11 would take for the base class's own), armed by the group's first
+latency-path call (`arm`: the C entry's address, which the warm-up has loaded with the
+one-step kernel; group creation itself loads no numba): until then every call takes the
+Python method. Off with SHMCOLL_LANE=0, where the
 extension was not built (no compiler at install), on a torch whose options cannot say
 "synchronous" (compat), for rank threads (threaded_pg) and simulated devices.
 """
