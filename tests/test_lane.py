@@ -161,6 +161,10 @@ def _declines(rank, ws):
     b = torch.ones(3, dtype=torch.bfloat16)  # not numpy's: the Python path
     dist.all_reduce(b)
     assert torch.equal(b, torch.full((3,), float(ws), dtype=torch.bfloat16))
+    k = torch.ones(3)  # the group's own call forms: keywords, a root without options
+    pg.allreduce([k], op=dist.ReduceOp.SUM).wait()
+    pg.broadcast([k], 1).wait()
+    assert torch.equal(k, torch.full((3,), float(ws)))
     after = pg._lane.plans()
     new = {k: v for k, v in after.items() if k not in before}
     # only the 16 MiB all_reduce reached a plan, which the lane declined; it ran none
