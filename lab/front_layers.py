@@ -10,8 +10,9 @@ Per op and size, each layer is one callable; the layers alternate in blocks of `
 calls (each block timed as a whole on rank 0, after a barrier; the order reverses every
 block), and the median over blocks is printed with each layer's increment over the one
 below it; the line below it ("cpu") is rank 0's process CPU time per call the same way
-(waits included: with more ranks than cores, wall time ~ the ranks' CPU / the cores). The ranks run in lock step, so an increment is what that layer adds to a call,
-not its CPU time alone. Buffers are torch float32 tensors (4 KiB pages); sizes are per
+(waits included: with more ranks than cores, wall time ~ the ranks' CPU / the cores). The
+ranks run in lock step, so an increment is what that layer adds to a call, not its CPU
+time alone. Buffers are torch float32 tensors (4 KiB pages); sizes are per
 rank (all_gather: the input). Nothing is verified beyond each layer's last call (the
 values are checked once per op and size): this measures overhead, benchmarks.bench
 measures collectives.

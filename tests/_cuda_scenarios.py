@@ -6,6 +6,7 @@ import time
 
 import torch
 
+import harness
 from cuda_sim_util import device_group
 from shmcoll.native.ops import ReduceOp
 
@@ -104,7 +105,7 @@ def scenario_gpu_lost_peer(c):
     if c.rank == 1:
         c.wait_cmd()
         return
-    dg = _made(dist.group.WORLD)._device.dg
+    dg = harness.made(dist.group.WORLD)._device.dg
     err = _watchdog_error(dg, 60)
     c.emit("error", **c.err(err))
     done = threading.Event()
@@ -149,8 +150,3 @@ def scenario_inline_lost_peer(c):
     except Exception as e:
         c.emit("again", **c.err(e))
     c.close()
-
-
-def _made(pg):
-    """The group behind torch's handle ("shm" makes it in the background: deferred.py)."""
-    return pg.made() if hasattr(pg, "made") else pg

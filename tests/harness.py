@@ -45,6 +45,7 @@ from typing import Callable
 __all__ = [
     "Kind", "KINDS", "available_kinds", "run_ranks", "run_torch_ranks", "new_group",
     "RankError", "RankTimeout", "free_port", "patched_environ", "our_pids", "shutdown_pool",
+    "made",
 ]
 
 POOL_START_TIMEOUT_S = 300.0  # spawning + importing torch/numba on a loaded 2-core host
@@ -464,6 +465,12 @@ def _torch_job(rank, world_size, store, fn, backend, init, port, timeout_s, args
         return fn(rank, world_size, *args)
     finally:
         dist.destroy_process_group()
+
+
+def made(pg):
+    """The group behind torch's handle: "shm" makes it in the background and hands torch a
+    DeferredProcessGroup (torch_backend/deferred.py); other groups are their own."""
+    return pg.made() if hasattr(pg, "made") else pg
 
 
 def run_torch_ranks(fn, world_size, backend="shm", timeout_s=60, args=(), init="file", env=None):

@@ -207,8 +207,7 @@ def _on_device_path(rank, ws, fn, *args):
     """fn, after checking that this group really routes tensors through cuda_ipc."""
     t = torch.ones(3)
     dist.all_reduce(t)
-    pg = dist.group.WORLD
-    pg = pg.made() if hasattr(pg, "made") else pg  # "shm": the group behind torch's handle
+    pg = harness.made(dist.group.WORLD)
     assert ws == 1 or (pg._device is not None and pg._device.dg.arena is not None), \
         "SHMCOLL_CUDA_SIM did not route the tensors through cuda_ipc"
     return fn(rank, ws, *args)
@@ -370,7 +369,7 @@ def _tiered(rank, ws, store, tier):
                                 world_size=ws)
         try:
             _large(rank, ws)
-            return _made(dist.group.WORLD)._device.dg.tier
+            return harness.made(dist.group.WORLD)._device.dg.tier
         finally:
             dist.destroy_process_group()
     finally:
@@ -496,8 +495,3 @@ def test_device_tensors_in_a_group_across_nodes_are_refused_clearly():
     every rank (cuda_ipc serves one node), not a hang or a wrong path."""
     out = harness.run_ranks(_node_job, 2, "processes", JOB_TIMEOUT_S, args=(60,))
     assert all("spans 2 nodes" in m and "within one node" in m for m in out), out
-
-
-def _made(pg):
-    """The group behind torch's handle ("shm" makes it in the background: deferred.py)."""
-    return pg.made() if hasattr(pg, "made") else pg

@@ -56,7 +56,7 @@ def _on_gpu(rank, ws, fn, *args):
         t = torch.ones(3)
         dist.all_reduce(t)
         assert t.is_cuda and float(t[0].item()) == ws
-        assert _made(dist.group.WORLD)._device is not None
+        assert harness.made(dist.group.WORLD)._device is not None
         return fn(rank, ws, *args)
     finally:
         torch.set_default_device(None)
@@ -78,7 +78,7 @@ def _smoke(rank, ws):
     dist.all_gather_into_tensor(out, torch.full((3,), float(rank)))
     assert_same(out, torch.arange(ws, dtype=torch.float32).repeat_interleave(3), "all_gather")
     torch.cuda.synchronize()
-    return _made(dist.group.WORLD)._device.dg.tier
+    return harness.made(dist.group.WORLD)._device.dg.tier
 
 
 def test_smoke_two_ranks_on_one_gpu():
@@ -301,8 +301,3 @@ def _threaded(rank, ws):
 def test_threaded_pg_with_cuda_tensors():
     import threaded_pg
     assert threaded_pg.spawn(_threaded, 3, timeout=JOB_TIMEOUT_S) == [True] * 3
-
-
-def _made(pg):
-    """The group behind torch's handle ("shm" makes it in the background: deferred.py)."""
-    return pg.made() if hasattr(pg, "made") else pg

@@ -30,7 +30,7 @@ _rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _pg(group=None):
-    return (group or dist.group.WORLD).made()
+    return harness.made(group or dist.group.WORLD)
 
 
 def _lane_runs(pg):
@@ -40,7 +40,6 @@ def _lane_runs(pg):
 
 def _each_op(rank, ws, dtype, n):
     """Every lane collective once on `n` elements of `dtype`; checks the values."""
-    one = torch.ones(1, dtype=dtype)
     x = (torch.arange(n) % 7 + rank).to(dtype)
     want = sum((torch.arange(n) % 7 + r).to(torch.float64) for r in range(ws))
     if dtype == torch.bool:
@@ -74,7 +73,6 @@ def _each_op(rank, ws, dtype, n):
         piece = (torch.arange(rank * n, (rank + 1) * n) + 1000 * j).to(dtype) \
             if dtype != torch.bool else torch.full((n,), j == 1)
         assert torch.equal(ao[j * n:(j + 1) * n], piece), (dtype, "all_to_all", j)
-    del one
 
 
 def _values_and_records(rank, ws):

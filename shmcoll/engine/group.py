@@ -338,15 +338,12 @@ class Group:
             return None
         return arena.lane_constants()
 
-    def lane_entry(self):
-        """The address of the one-step kernel's C entry (Arena.lane_entry), loaded or
-        compiled now (load_lane_entry: by the warm-up, where the adapter asked for it)."""
-        return self._arena.lane_entry()
-
     @staticmethod
-    def load_lane_entry():
-        """Load (or compile) the one-step kernel's C entry for this process."""
-        Arena.lane_entry()
+    def lane_entry():
+        """The address of the one-step kernel's C entry (Arena.lane_entry), loaded or
+        compiled now if not yet in this process (the warm-up loads it where the adapter
+        asked: warmup.load_with_first)."""
+        return Arena.lane_entry()
 
     def one_step_plan(self, name, array, out=None, root=-1, op=ReduceOp.SUM):
         """The plan `name` takes for these contiguous arrays (all_reduce and reduce_scatter

@@ -72,25 +72,17 @@ static double now(clockid_t which) {
     return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-/* 1 when obj.name is `want` (identity), 0 when not, -1 on error. */
-static int attr_is(PyObject *obj, PyObject *name, PyObject *want) {
-    PyObject *v = PyObject_GetAttr(obj, name);
+/* Whether `v` (a new reference, released here; NULL: an error) is `want` (identity): 1, 0,
+   or -1 on the error. */
+static int is_(PyObject *v, PyObject *want) {
     if (v == NULL) return -1;
     int r = v == want;
     Py_DECREF(v);
     return r;
 }
 
-static int call_is(PyObject *obj, PyObject *name, PyObject *want) {
-    PyObject *v = PyObject_CallMethodNoArgs(obj, name);
-    if (v == NULL) return -1;
-    int r = v == want;
-    Py_DECREF(v);
-    return r;
-}
-
-static int64_t attr_int(PyObject *obj, PyObject *name, int *err) {
-    PyObject *v = PyObject_GetAttr(obj, name);
+/* `v` (a new reference, released here; NULL: an error) as an int64; *err set on an error. */
+static int64_t int_(PyObject *v, int *err) {
     if (v == NULL) { *err = 1; return 0; }
     int64_t r = PyLong_AsLongLong(v);
     Py_DECREF(v);
@@ -98,14 +90,11 @@ static int64_t attr_int(PyObject *obj, PyObject *name, int *err) {
     return r;
 }
 
-static int64_t call_int(PyObject *obj, PyObject *name, int *err) {
-    PyObject *v = PyObject_CallMethodNoArgs(obj, name);
-    if (v == NULL) { *err = 1; return 0; }
-    int64_t r = PyLong_AsLongLong(v);
-    Py_DECREF(v);
-    if (r == -1 && PyErr_Occurred()) *err = 1;
-    return r;
-}
+/* obj.name / obj.name() is `want`, or as an int64 */
+#define attr_is(obj, name, want) is_(PyObject_GetAttr(obj, name), want)
+#define call_is(obj, name, want) is_(PyObject_CallMethodNoArgs(obj, name), want)
+#define attr_int(obj, name, err) int_(PyObject_GetAttr(obj, name), err)
+#define call_int(obj, name, err) int_(PyObject_CallMethodNoArgs(obj, name), err)
 
 typedef struct {
     PyObject *dtype;  /* borrowed while the tensor lives: held by the caller's tensor */

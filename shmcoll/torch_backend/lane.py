@@ -49,7 +49,7 @@ try:
 except ImportError:  # built without a C compiler: the Python latency path only
     _lane = None
 else:  # groups' warm-up loads the kernel entry with the one-step kernel, off the first call
-    warmup.load_with_first("one-step C entry", Group.load_lane_entry)
+    warmup.load_with_first("one-step C entry", Group.lane_entry)
 
 __all__ = ["available", "build", "arm", "METHODS"]
 
