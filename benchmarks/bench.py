@@ -265,15 +265,16 @@ def print_ceilings(rows) -> None:
 
 
 def _copy_bw(rows) -> dict:
-    """{nbytes: single-core copy read+write B/s} for the traffic model: the memcpy peer's
-    rows of this run where it has them, else measured now at every modelled row's S."""
-    mem = {r["nbytes"]: r["busbw_GBps"] * 1e9 for r in rows
-           if r.get("record", "row") == "row" and r["backend"] == MEMCPY and not r["wrong"]}
-    if mem:
-        return mem
-    sizes = sorted({per_rank_bytes(r["op"], r["nbytes"], r["world_size"]) for r in rows
-                    if r.get("algorithm")})
-    return copy_bandwidth([s for s in sizes if s > 0]) if sizes else {}
+    """{world_size: {S: B/s}} for the traffic model: the aggregate copy bandwidth of
+    world_size ranks' copies of S at once (traffic.copy_bandwidth), measured now at every
+    modelled row's S."""
+    sizes = {}
+    for r in rows:
+        if r.get("record", "row") == "row" and r.get("algorithm"):
+            s = per_rank_bytes(r["op"], r["nbytes"], r["world_size"])
+            if s > 0:
+                sizes.setdefault(r["world_size"], set()).add(s)
+    return {n: copy_bandwidth(sorted(ss), n) for n, ss in sorted(sizes.items())}
 
 
 def main(argv=None) -> int:

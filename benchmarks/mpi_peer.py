@@ -180,6 +180,7 @@ def main(argv=None) -> int:
         import torch
 
         from benchmarks import bench, collectives
+        from benchmarks.ranks import settle
 
         torch.set_num_threads(cfg["threads"])
         try:
@@ -204,6 +205,7 @@ def main(argv=None) -> int:
              library=library_version(MPI),
              mpi4py=mpi4py.__version__)
         barrier = _MpiBarrier(comm)
+        settle(comm.Barrier, lambda flag: bool(comm.allreduce(1 if flag else 0, op=MPI.MAX)))
         dtype = collectives.DTYPES[cfg["dtype"]]
         itemsize = torch.empty(0, dtype=dtype).element_size()
 

@@ -21,23 +21,32 @@ nbytes / N; reduce_scatter: the input) and N the world size:
 | reduce_scatter_single_copy | (3 - 1/N) S | fetch (N-1) S/N into scratch; read N S/N, write S/N |
 | all_to_all_direct | (4 - 2/N) S up to a slot, else 2 S | riding with the size table: copy the peers' blocks in and out (4 (N-1)/N S), my own once (2S/N); above a slot, read and write S (peers' blocks straight from their buffers) |
 
-The ceiling is that many bytes at the single-core copy bandwidth (read + write bytes per
-second of one np.copyto of the row's size: the memcpy peer's rows when the run has them,
-else `copy_bandwidth`, measured in the parent): every rank copies on its own core, in
-parallel, and nothing else costs time. `ceiling_table` prints per row the ceiling and
-t_ceiling / t, which is also busbw / the ceiling's busbw (1: at the limit).
+The ceiling is what this machine's memory system makes of those bytes when every rank moves
+them at once: the N ranks' bytes together (N x bytes per rank) at the aggregate copy
+bandwidth of N ranks' copies of S at the same time: k = min(N, usable cores) processes,
+each copying S between ceil(N / k) buffer pairs in turn, as the ranks that share its core
+would (`copy_bandwidth`, measured in the parent on torch-allocated buffers, the ranks'
+memory kind). Where the copies stay in the caches, k copiers run k times as fast as one
+and the ceiling is bytes per rank at one core's bandwidth, every rank on its own core;
+where they spill to memory they share its bandwidth (this 2-core VM: one 16 MiB copy
+23-38 GB/s, two at once 31-69 GB/s together, by the hour); and ranks beyond the cores
+share them. Nothing else
+costs time in the ceiling: no waits, no cross-core transfers, no Python. `ceiling_table`
+prints per row the ceiling and t_ceiling / t, which is also busbw / the ceiling's busbw.
 """
 
 from __future__ import annotations
 
 import math
-import statistics
+import multiprocessing
+import os
+import queue
 import time
 
 from benchmarks.sizes import human
 
 __all__ = ["MODEL", "per_rank_bytes", "bytes_per_rank", "algorithm_of", "copy_bandwidth",
-           "ceiling_table"]
+           "copiers_for", "usable_cores", "ceiling_table"]
 
 # algorithm -> bytes read + written per rank, as a function of (S, N, a size the algorithm
 # works in: broadcast_streamed's sub-chunk, all_to_all_direct's slot).
@@ -93,54 +102,150 @@ def algorithm_of(op, nbytes, world_size):
         return None
 
 
-def copy_bandwidth(sizes, reps=15):
-    """{nbytes: read + write bytes per second of one single-core np.copyto}, measured now on
-    torch-allocated buffers (the ranks' memory kind), median of `reps` after a warm-up."""
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity), as the ranks it spawns."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def copiers_for(world_size) -> int:
+    """How many of `world_size` ranks copy at the same time: one per usable core."""
+    return max(1, min(world_size, usable_cores()))
+
+
+def _copy_loop(n, seconds, start, pairs=1):
+    """np.copyto of n bytes between two torch-allocated buffers, back to back (as a loop of
+    calls reuses its buffers), taking `pairs` such pairs in turn (the ranks that share a
+    core, each with its own buffers), for `seconds` from `start` (a time.monotonic()
+    shared by the copiers): (copies, seconds they took)."""
     import numpy as np
     import torch
-    out = {}
-    for n in sizes:
+    bufs = []
+    for _ in range(pairs):
         a = torch.empty(max(1, n // 4)).numpy()
         b = torch.empty_like(torch.from_numpy(a)).numpy()
         a[:] = 1.0
-        b[:] = 0.0
-        times = []
-        for k in range(reps + 3):
-            b.fill(0.0)  # as the memcpy peer: the destination written just before
-            t = time.perf_counter()
+        bufs.append((b, a))
+    for _ in range(3):  # warm: pages faulted in, caches as in a loop of calls
+        for b, a in bufs:
             np.copyto(b, a)
-            if k >= 3:
-                times.append(time.perf_counter() - t)
-        out[n] = 2 * a.nbytes / max(statistics.median(times), 1e-9)
-    return out
+    for b, _ in bufs:
+        b[:] = 0.0
+    while time.monotonic() < start:
+        pass
+    copies = 0
+    t0 = time.monotonic()
+    while True:
+        np.copyto(*bufs[copies % pairs])
+        copies += 1
+        t = time.monotonic()
+        if t - t0 >= seconds and copies >= 3 * pairs:
+            break
+    if not all(b[0] == 1.0 and b[-1] == 1.0 for b, _ in bufs):
+        raise RuntimeError(f"copy_bandwidth: a {n}-byte copy came out wrong")
+    return copies, t - t0
+
+
+def _copier(sizes, pairs, windows, seconds, gap, results, go, start):
+    """A spawned copier: once imported, says so and waits for `go`; then _copy_loop of
+    every size, `windows` times each, window w of size k from start + (k * windows + w)
+    * gap (`start`: a shared time.monotonic(), set before `go`)."""
+    import numpy  # noqa: F401 - the imports before the start, not in the first window
+    import torch  # noqa: F401
+    results.put(None)
+    if go.wait(60.0):
+        results.put([_copy_loop(n, seconds, start.value + (k * windows + w) * gap, pairs)
+                     for k, n in enumerate(sizes) for w in range(windows)])
+
+
+def _collect(results, procs, count, deadline, what):
+    """`count` items from `results`, failing fast if a copier died."""
+    got = []
+    while len(got) < count:
+        try:
+            got.append(results.get(timeout=0.5))
+        except queue.Empty:
+            lost = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if lost or time.monotonic() > deadline:
+                raise RuntimeError(f"copy_bandwidth: copiers did not report {what} "
+                                   f"(exit codes {lost})") from None
+    return got
+
+
+def copy_bandwidth(sizes, world_size=1, seconds=0.05, windows=3):
+    """{S: read + write bytes per second of `world_size` ranks' copies of S bytes at once,
+    all together}: copiers_for(world_size) processes, each copying for its share of the
+    ranks (ceil(world_size / copiers) buffer pairs in turn: the memory the ranks touch),
+    run _copy_loop in `windows` windows of `seconds` per size with a common start each; a
+    window's aggregate is the sum of the copiers' rates, and the size's is its best window
+    (a ceiling: what the machine did at its best; a shared host's memory bandwidth moves
+    with its other tenants). One copier runs in this process; more are spawned processes
+    (numpy and torch only)."""
+    sizes = list(sizes)
+    count = copiers_for(world_size)
+    pairs = -(-world_size // count)
+    if count == 1:
+        done = [[_copy_loop(n, seconds, time.monotonic(), pairs) for n in sizes
+                 for _ in range(windows)]]
+    else:
+        ctx = multiprocessing.get_context("spawn")
+        results, go, start = ctx.Queue(), ctx.Event(), ctx.Value("d", 0.0)
+        gap = seconds + 0.15 * pairs  # each window's buffers made and warmed before its start
+        procs = [ctx.Process(target=_copier, args=(sizes, pairs, windows, seconds, gap,
+                                                   results, go, start), daemon=True)
+                 for _ in range(count)]
+        for p in procs:
+            p.start()
+        try:
+            _collect(results, procs, count, time.monotonic() + 60.0, "ready")
+            start.value = time.monotonic() + 0.3
+            go.set()
+            done = _collect(results, procs, count,
+                            start.value + len(sizes) * windows * gap + 60.0, "their copies")
+        finally:
+            go.set()
+            for p in procs:
+                p.join(5.0)
+                if p.is_alive():
+                    p.kill()
+    return {n: max(sum(2 * n * c / max(t, 1e-9) for c, t in (d[k * windows + w] for d in done))
+                   for w in range(windows))
+            for k, n in enumerate(sizes)}
 
 
 def ceiling_table(rows, copy_bw) -> str:
-    """Per shm row with an algorithm: bytes per rank, the copy bandwidth at S (`copy_bw`:
-    {nbytes: B/s}, nearest size, marked '~'), the ceiling time, and t_ceiling / t."""
-    rows = [r for r in rows if r.get("record", "row") == "row" and r.get("algorithm")]
-    if not rows or not copy_bw:
+    """Per shm row with an algorithm: bytes per rank, the aggregate copy bandwidth of its
+    copiers at S (`copy_bw`: {world_size: {nbytes: B/s}} from copy_bandwidth(sizes,
+    world_size); the nearest size, marked '~', where S is missing), the ceiling
+    time of the N ranks' bytes at it, and t_ceiling / t."""
+    rows = [r for r in rows if r.get("record", "row") == "row" and r.get("algorithm")
+            and copy_bw.get(r["world_size"])]
+    if not rows:
         return ""
-    lines = ["\n## traffic model: bytes per rank of the algorithm and the ceiling they give at "
-             "this machine's single-core copy bandwidth (t_ceiling/t = busbw / ceiling busbw; "
-             "1 = at the limit)",
+    lines = ["\n## traffic model: bytes per rank of the algorithm and the ceiling they give: "
+             "the N ranks' bytes at the bandwidth of N ranks' copies of S at once, by min(N, "
+             "cores) copiers (t_ceiling/t = busbw / ceiling busbw; 1 = at the limit)",
              f"{'op':<14} {'world_size':>10} {'nbytes':>12} {'algorithm':<26} {'bytes/rank':>11} "
-             f"{'x S':>6} {'copy_GBps':>10} {'t_ceiling_us':>13} {'t_us':>10} "
+             f"{'x S':>6} {'copiers':>7} {'agg_GBps':>9} {'t_ceiling_us':>13} {'t_us':>10} "
              f"{'t_ceiling/t':>12}"]
     for r in sorted(rows, key=lambda r: (r["op"], r["world_size"], r["nbytes"])):
         op, n, nb, algo = r["op"], r["world_size"], r["nbytes"], r["algorithm"]
         moved = bytes_per_rank(algo, op, nb, n)
         s = per_rank_bytes(op, nb, n)
-        near = s if s in copy_bw else min(copy_bw, key=lambda m: abs(math.log(m / max(s, 1))))
-        bw = copy_bw[near]
+        bws = copy_bw[n]
+        near = s if s in bws else min(bws, key=lambda m: abs(math.log(m / max(s, 1))))
+        bw = bws[near]
         mark = "" if near == s else "~"
         if moved is None:
             lines.append(f"{op:<14} {n:>10} {nb:>12} {algo:<26} {'?':>11}")
             continue
-        t_ceil = moved / bw * 1e6
+        t_ceil = n * moved / bw * 1e6
         ratio = "WRONG" if r.get("wrong") else \
             f"{t_ceil / r['time_us']:.3f}" if r["time_us"] > 0 else "n/a"
         lines.append(f"{op:<14} {n:>10} {nb:>12} {algo:<26} {human(int(moved)):>11} "
-                     f"{moved / max(s, 1):>6.2f} {mark + f'{bw / 1e9:.2f}':>10} "
+                     f"{moved / max(s, 1):>6.2f} {copiers_for(n):>7} "
+                     f"{mark + f'{bw / 1e9:.2f}':>9} "
                      f"{t_ceil:>13.2f} {r['time_us']:>10.2f} {ratio:>12}")
     return "\n".join(lines)

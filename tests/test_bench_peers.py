@@ -340,3 +340,20 @@ def test_fresh_inputs_rows_verified(tmp_path, backend):
     assert all(r["wrong"] == 0 for r in rows)
     header = bench.load_jsonl(tmp_path / "bench.jsonl")[0]
     assert header["settings"]["fresh_inputs"] is True
+
+
+def test_settle_stops_when_any_rank_says_so():
+    """benchmarks.ranks.settle: barriers in batches until the flag of some rank (here a
+    stand-in for the side channel: the third batch's) says the time is spent; every rank
+    calls the same number of barriers."""
+    from benchmarks.ranks import SETTLE_BATCH, settle
+    calls, asked = [], []
+
+    def any_rank(flag):
+        asked.append(flag)
+        return len(asked) == 3
+
+    n = settle(lambda: calls.append(1), any_rank, seconds=3600.0)
+    assert n == len(calls) == 1 + 3 * SETTLE_BATCH
+    assert asked == [False, False, False]  # this rank's own clock had not run out
+    assert settle(lambda: None, lambda flag: flag, seconds=0.0) == 1 + SETTLE_BATCH

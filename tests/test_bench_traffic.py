@@ -3,7 +3,8 @@ has a traffic model, and the ceiling table reads the rows it is given."""
 
 import itertools
 
-from benchmarks.traffic import MODEL, bytes_per_rank, ceiling_table, per_rank_bytes
+from benchmarks.traffic import (MODEL, bytes_per_rank, ceiling_table, copiers_for,
+                                copy_bandwidth, per_rank_bytes, usable_cores)
 from shmcoll.algorithms import select
 from shmcoll.native.single_copy import CMA, IN_PROCESS, NONE
 
@@ -33,9 +34,33 @@ def test_ceiling_table():
              "nbytes": 1 << 20, "time_us": 200.0, "wrong": 0, "algorithm": "broadcast_direct"},
             {"record": "row", "backend": "mpi4py", "op": "broadcast", "world_size": 2,
              "nbytes": 1 << 20, "time_us": 100.0, "wrong": 0}]
-    text = ceiling_table(rows, {1 << 20: 40e9})
+    text = ceiling_table(rows, {2: {1 << 20: 80e9}})
     lines = text.strip().splitlines()
     assert len(lines) == 3  # title, head, the shm row only
-    # 4 MiB at 40 GB/s: 104.86 us of a 200 us row
+    # two ranks' 4 MiB each at 80 GB/s all together: 104.86 us of a 200 us row
     assert "broadcast_direct" in lines[2] and "104.86" in lines[2] and "0.524" in lines[2]
-    assert ceiling_table(rows[1:], {1 << 20: 40e9}) == ""
+    assert ceiling_table(rows[1:], {2: {1 << 20: 80e9}}) == ""
+    assert ceiling_table(rows, {4: {1 << 20: 80e9}}) == ""  # no bandwidth for 2 ranks
+
+
+def test_ceiling_counts_every_rank_at_the_aggregate_bandwidth():
+    """4 ranks' bytes at the bandwidth their copiers reach together; the nearest measured
+    size, marked '~', where the row's S was not measured."""
+    row = {"record": "row", "backend": "shm", "op": "broadcast", "world_size": 4,
+           "nbytes": 1 << 20, "time_us": 500.0, "wrong": 0, "algorithm": "broadcast_direct"}
+    [line] = ceiling_table([row], {4: {2 << 20: 80e9}}).strip().splitlines()[2:]
+    # 4 ranks x 4 MiB at 80 GB/s = 209.72 us
+    assert "~80.00" in line and "209.72" in line and "0.419" in line
+    assert line.split()[6] == str(copiers_for(4))
+
+
+def test_copy_bandwidth_of_one_two_and_four_ranks():
+    """One copier in this process; two ranks, and four sharing this machine's cores
+    (spawned copiers with two buffer pairs each on a 2-core machine)."""
+    got = [copy_bandwidth([64 << 10], 1, seconds=0.02, windows=2),
+           copy_bandwidth([64 << 10, 1 << 20], 2, seconds=0.02, windows=2),
+           copy_bandwidth([64 << 10], 4, seconds=0.02, windows=2)]
+    assert [set(bw) for bw in got] == [{64 << 10}, {64 << 10, 1 << 20}, {64 << 10}]
+    # read + write bytes per second: positive, and below an absurd 10 TB/s
+    assert all(0 < bw < 10e12 for d in got for bw in d.values())
+    assert 1 <= copiers_for(2) <= 2 and copiers_for(1) == 1 and copiers_for(64) == usable_cores()
