@@ -20,6 +20,7 @@ nbytes / N; reduce_scatter: the input) and N the world size:
 | reduce_scatter_direct | (3 + 1/N) S | copy in (2S); read N S/N, write S/N |
 | reduce_scatter_single_copy | (3 - 1/N) S | fetch (N-1) S/N into scratch; read N S/N, write S/N |
 | all_to_all_direct | (4 - 2/N) S up to a slot, else 2 S | riding with the size table: copy the peers' blocks in and out (4 (N-1)/N S), my own once (2S/N); above a slot, read and write S (peers' blocks straight from their buffers) |
+| all_to_all_read | 2 S | read and write S (peers' blocks straight from their buffers, my own from mine) |
 
 The ceiling is what this machine's memory system makes of those bytes when every rank moves
 them at once: the N ranks' bytes together (N x bytes per rank) at the aggregate copy
@@ -62,6 +63,7 @@ MODEL = {
     "reduce_scatter_direct": lambda s, n, sub: (3 + 1 / n) * s,
     "reduce_scatter_single_copy": lambda s, n, sub: (3 - 1 / n) * s,
     "all_to_all_direct": lambda s, n, slot: (4 - 2 / n) * s if _a2a_rides(s, n, slot) else 2 * s,
+    "all_to_all_read": lambda s, n, sub: 2 * s,
 }
 
 

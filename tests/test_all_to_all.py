@@ -17,7 +17,9 @@ from cases import (all_to_all_sizes, assert_rank_results, assert_bits_equal, cas
                    check_all_to_all, COUNTS,
                    DTYPES, group_cases, make_input, Placed, SMALL_SLOT_BYTES, SMALL_SLOT_ENV,
                    storage)
-from shmcoll.protocol import ONE_STEP_ALL_TO_ALL, a2a_head_nbytes
+from shmcoll.algorithms import A2A_READ_MIN_NBYTES
+from shmcoll.native.single_copy import CMA, NONE
+from shmcoll.protocol import A2A_PLAN_SLOT, ONE_STEP_ALL_TO_ALL, a2a_head_nbytes
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
@@ -93,10 +95,17 @@ def _single(group, count, dtype, seed, layout):
     out.check_sentinel("all_to_all_single")
     # (the block to myself stays out of the slot)
     rides = ws > 1 and a2a_head_nbytes(ws) + src.nbytes - src.nbytes // ws <= SMALL_SLOT_BYTES
+    # 3+ ranks read blocks that do not ride from the peers' buffers in the same call, and
+    # from 4 rank processes (CMA) large ones that would
+    sc = group._arena.single_copy if group._arena is not None else NONE
+    reads = ws > 2 and sc != NONE and (not rides or ws >= 4 and sc == CMA
+                                       and src.nbytes >= A2A_READ_MIN_NBYTES)
     if layout == "contig":
         plan = group._plans.get(("all_to_all", src.dtype, src.size))
-        assert (plan is not None and plan.mode == ONE_STEP_ALL_TO_ALL) == rides, \
-            f"one-step plan {plan and plan.mode}, expected riding {rides}"
+        assert (plan is not None and plan.mode == ONE_STEP_ALL_TO_ALL) == (rides or reads), \
+            f"one-step plan {plan and plan.mode}, expected riding {rides}, reading {reads}"
+        if plan is not None and plan.mode is not None:
+            assert (plan.words[A2A_PLAN_SLOT] == 0) == reads, plan.words[:A2A_PLAN_SLOT + 1]
     else:  # the list form, which stages pieces that ride into the one-array form (counts)
         plan = group._plans.get(("all_to_all", src.dtype, None))
         assert (plan is not None) == rides, f"staged plan {plan}, expected riding {rides}"
@@ -228,4 +237,70 @@ def test_all_to_all_streamed_steps_finished_in_python(kind, seed, single_copy):
     results = harness.run_ranks(_streamed_in_python, 2, kind, timeout_s=JOB_TIMEOUT_S,
                                 args=(seed,), env=dict(SMALL_SLOT_ENV,
                                                        SHMCOLL_SINGLE_COPY=single_copy))
+    assert_rank_results(results)
+
+
+# -- large blocks read where they lie (all_to_all_read: 4+ rank processes, CMA) ----------
+
+READ_BLOCK = A2A_READ_MIN_NBYTES // 4 // 4  # float32 elements per block of a 4-rank read
+
+
+def _read_values(rank, ws, count, seed):
+    """(my input, the output I must get): block d of rank s is make_input(s, tag=d)."""
+    piece = lambda s, d: make_input("float32", count, s, seed, tag=d)  # noqa: E731
+    return (np.concatenate([piece(rank, d) for d in range(ws)]),
+            np.concatenate([piece(s, rank) for s in range(ws)]))
+
+
+def _read_forms(group, seed, form):
+    """One all_to_all of READ_BLOCK-element blocks in which rank 0 uses `form` and every
+    other rank the one-array form (read in the one-step kernel): "single" (the same),
+    "strided" (a strided output: the general path's all_to_all_read), "splits" (equal
+    counts given: they ride with the table), "inplace" (the output is the input: the
+    input is copied first), "late" (rank 0 calls 0.3 s late: the others' kernel waits run
+    out, Python finishes the wait and the read). Returns the plan's reads flag on the
+    ranks that took the one-array form."""
+    import time as _time
+    ws, rank = group.world_size, group.rank
+    src, want = _read_values(rank, ws, READ_BLOCK, seed)
+    mine = form if rank == 0 else "single"
+    if mine == "late":
+        _time.sleep(0.3)
+    if mine == "strided":
+        out = Placed(np.zeros(ws * READ_BLOCK, np.float32), "strided")
+        group.all_to_all_single(out.array, src)
+        got = out.values()
+    elif mine == "splits":
+        got = np.zeros(ws * READ_BLOCK, np.float32)
+        group.all_to_all_single(got, src, [READ_BLOCK] * ws, [READ_BLOCK] * ws)
+    elif mine == "inplace":
+        got = src
+        group.all_to_all_single(src, src)
+    else:
+        got = np.full(ws * READ_BLOCK, -1.0, np.float32)
+        group.all_to_all_single(got, src)
+    assert_bits_equal(got, want, "float32", f"all_to_all_single ({form} on rank 0)")
+    plan = group._plans.get(("all_to_all", np.dtype(np.float32), ws * READ_BLOCK))
+    return plan is not None and bool(plan.reads) and plan.words[A2A_PLAN_SLOT] == 0
+
+
+@group_cases
+def _read_sweep(group, rank, world_size, seed):
+    def case(form):
+        def run():
+            reads = _read_forms(group, seed, form)
+            if form in ("single", "late") or rank != 0:
+                assert reads == (group._arena.single_copy == CMA), (form, reads)
+            return check_all_to_all(group, 5, "int32", seed)  # in step afterwards
+        return (f"all_to_all_single(read, {form} on rank 0)", run)
+    return [case(f) for f in ("single", "strided", "splits", "inplace", "late", "single")]
+
+
+def test_all_to_all_reads_large_blocks_where_they_lie(seed):
+    """4 rank processes, 4 MiB inputs (the default slot): the one-step kernel reads the
+    peers' blocks from their buffers (CMA) and closes with one more step; beside a rank on
+    the general path, a rank whose blocks ride, an in-place rank and a late rank, the
+    tables say what each must do and every rank gets the exact blocks."""
+    results = harness.run_ranks(_read_sweep, 4, "processes", timeout_s=JOB_TIMEOUT_S,
+                                args=(seed,), env={"SHMCOLL_SLOT_BYTES": None})
     assert_rank_results(results)

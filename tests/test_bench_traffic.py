@@ -10,7 +10,7 @@ from shmcoll.native.single_copy import CMA, IN_PROCESS, NONE
 
 
 def test_every_selectable_algorithm_has_a_model():
-    ops = ("all_reduce", "broadcast", "all_gather", "reduce_scatter")
+    ops = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all")
     for op, nbytes, world, mode, always, threads, small in itertools.product(
             ops, [8, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 1 << 30], [2, 3, 4, 8],
             [NONE, IN_PROCESS, CMA], [False, True], [False, True], [False, True]):

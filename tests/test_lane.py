@@ -200,6 +200,37 @@ def test_a_late_peer_is_finished_in_python():
     assert seqs[0] == seqs[1]
 
 
+def _reads(rank, ws):
+    """all_to_all_single of 4 MiB per rank at 4 ranks: the kernel reads the peers' blocks
+    where they lie (CMA) and hands its closing step to Python (a resumed call); then the
+    same call in place, which the lane leaves to the group's method (the input is copied
+    before the peers read it: no lane call)."""
+    n = (4 << 20) // 4
+    t = torch.arange(n, dtype=torch.float32) + 10_000_000 * rank
+    want = torch.cat([torch.arange(n // ws * rank, n // ws * (rank + 1), dtype=torch.float32)
+                      + 10_000_000 * s for s in range(ws)])
+    out = torch.full_like(t, -1.0)
+    dist.all_to_all_single(torch.empty(4 * ws), torch.ones(4 * ws))  # arms the lane
+    pg = _pg()
+    before = pg._lane.stats()
+    dist.all_to_all_single(out, t)
+    after = pg._lane.stats()
+    assert torch.equal(out, want)
+    reads = pg.group._arena.single_copy != 0
+    assert after["resumed"] - before["resumed"] == (1 if reads else 0), (before, after)
+    dist.all_to_all_single(t, t)
+    assert torch.equal(t, want)
+    assert pg._lane.stats() == after or not reads, (after, pg._lane.stats())
+    return reads
+
+
+@needs_lane
+def test_all_to_all_read_through_the_lane_and_in_place_past_it():
+    reads = harness.run_torch_ranks(_reads, 4, "shm", JOB_TIMEOUT_S * 2,
+                                    env={"SHMCOLL_SLOT_BYTES": None})
+    assert len(set(reads)) == 1
+
+
 def _mismatch(rank, ws):
     dist.all_reduce(torch.ones(2))
     t = torch.ones(64 if rank == 0 else 32)

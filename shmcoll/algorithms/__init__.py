@@ -10,7 +10,8 @@ from ..native.single_copy import CMA, IN_PROCESS, NONE
 from .all_gather import all_gather_direct, all_gather_single_copy
 from .all_reduce import STREAM_NBYTES, all_reduce_one_shot, all_reduce_single_copy, \
     all_reduce_two_shot, one_shot_sub_nbytes
-from .all_to_all import all_to_all_direct, all_to_all_finish, rides
+from .all_to_all import STREAM_MAX_WORLD, all_to_all_direct, all_to_all_finish, \
+    all_to_all_read, rides
 from .barrier import barrier_flags
 from .broadcast import broadcast_direct, broadcast_single_copy, broadcast_streamed
 from .gather import gather_direct
@@ -18,7 +19,8 @@ from .reduce import reduce_direct
 from .reduce_scatter import reduce_scatter_direct, reduce_scatter_single_copy
 from .scatter import scatter_direct
 
-__all__ = ["select", "one_step_mode", "all_to_all_finish", "rides", "ONE_SHOT_MAX_NBYTES",
+__all__ = ["select", "one_step_mode", "all_to_all_finish", "all_to_all_read", "reads_one_step",
+           "rides", "ONE_SHOT_MAX_NBYTES",
            "SINGLE_COPY_MIN",
            "SINGLE_COPY_NOT_ON_SMALL_PAGES", "BROADCAST_STREAMED_MIN_NBYTES",
            "LIST_STAGED_MAX_NBYTES"]
@@ -55,8 +57,18 @@ ONE_SHOT_MAX_NBYTES_THREADS_DEFAULT = 64 << 10
 # 1 MiB 665 vs 962, 2 MiB 1840 vs 1595, 4 MiB 3075 vs 2416; at 8 ranks 1 MiB 1499 vs 1623,
 # 2 MiB 3774 vs 3349; reduce_scatter from 256 KiB (463 vs 389 at 4). At 2-3 rank threads
 # the extra waits' GIL hand-overs cost more than the copy saves.
+# all_to_all from 4 ranks reads the peers' blocks from their buffers (all_to_all_read)
+# from this size of a rank's whole input, though they would ride with the table: with the
+# ranks' buffers, the slots' copies overflow the caches and the second copy of every byte
+# costs more than CMA's page pinning. Measured 2026-11-29, 2-core VM, through
+# dist.all_to_all_single, torch buffers, medians of 200-300 calls, read / riding, us:
+# 4 ranks 1 MiB 477-515 / 213-233, 2 MiB 901 / 670, 4 MiB 1059-1527 / 1846-2370; 8 ranks
+# 4 MiB 3824 / 5746; 3 ranks a toss-up (4 MiB 1175-1829 / 1588-1608, 2 MiB 509-779 /
+# 443-556), so it stays on the slots there up to a slot.
+A2A_READ_MIN_NBYTES = 4 << 20
 SINGLE_COPY_MIN = {
-    CMA: {"all_reduce": (3 << 20, 2), "reduce_scatter": (2 << 20, 2)},
+    CMA: {"all_reduce": (3 << 20, 2), "reduce_scatter": (2 << 20, 2),
+          "all_to_all": (A2A_READ_MIN_NBYTES, 4)},
     IN_PROCESS: {"all_reduce": (2 << 20, 4), "reduce_scatter": (256 << 10, 2)},
 }
 # The measurements above used numpy arrays, which sit on transparent huge pages from 4 MiB.
@@ -72,7 +84,20 @@ SINGLE_COPY_MIN = {
 # slots / CMA 2 ranks 4 MiB 0.86, 16 MiB 1.00, 64 MiB 0.94; 4 ranks 4 MiB 1.12, 16 MiB 1.10.
 SINGLE_COPY_NOT_ON_SMALL_PAGES = {CMA: ("all_reduce",)}
 _SINGLE_COPY = {"all_reduce": all_reduce_single_copy, "all_gather": all_gather_single_copy,
-                "broadcast": broadcast_single_copy, "reduce_scatter": reduce_scatter_single_copy}
+                "broadcast": broadcast_single_copy, "reduce_scatter": reduce_scatter_single_copy,
+                "all_to_all": all_to_all_read}
+
+
+def reads_one_step(algo, world_size, single_copy, ride):
+    """Whether all_to_all_single's equal blocks run as the one-step kernel's read (slot
+    bytes 0 in its plan, Group._plan_all_to_all): at 3+ ranks with single copy, where
+    select chose all_to_all_read, or where the blocks do not ride (`ride` False:
+    all_to_all_direct would read them too, in Python). At 2 ranks a table of reads goes
+    on streamed where the general path finishes it (all_to_all_finish), so the kernel
+    could not read while a peer on that path streams."""
+    return world_size > STREAM_MAX_WORLD and single_copy != NONE and (
+        algo is all_to_all_read or not ride)
+
 
 # broadcast: below this size broadcast_direct (up to a slot, 4 MiB by default, one
 # compiled call, Arena.one_step: the root's copy-in, then the others' copy-out; above, a

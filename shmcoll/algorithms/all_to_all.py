@@ -6,7 +6,8 @@ from ..native.single_copy import CMA, NONE
 from ..protocol import A2A_TABLE_WORDS, STREAM_RING, a2a_head_nbytes
 from .all_reduce import STREAM_NBYTES
 
-__all__ = ["all_to_all_direct", "all_to_all_finish", "rides", "exchange_split_table"]
+__all__ = ["all_to_all_direct", "all_to_all_read", "all_to_all_finish", "rides",
+           "exchange_split_table"]
 
 MAX_MESSAGE_NBYTES = 1 << 48  # larger than any array this host can hold
 # Pieces that do not ride with the table go streamed through the slot (a sub-chunk of
@@ -49,12 +50,27 @@ def all_to_all_direct(arena, ins, outs):
     chunked steps: 4 MiB 450-630 / 870-1020, 16 MiB 2.0-3.8 ms / 4.2-4.9 ms; 4 ranks
     4 MiB 2.3-2.7 ms / 3.5-3.8 ms, 16 MiB 7.1-8.7 / 13.9-15.4 ms.
     """
+    _direct(arena, ins, outs, rides(arena, [a.size for a in ins]))
+
+
+def all_to_all_read(arena, ins, outs):
+    """all_to_all_direct where every message is read from its sender's buffer (single
+    copy), even one that would ride: at 3+ ranks, where the peers' blocks of a large
+    message moved twice cost more than CMA's reads (algorithms.SINGLE_COPY_MIN). Its
+    equal-block form runs as one compiled call (Group.all_to_all_single: the one-step
+    kernel with A2A_PLAN_SLOT 0, then the closing step); either form's table is
+    all_to_all_direct's, so ranks may mix them.
+    Bytes per rank: read and write S once (my own block too)."""
+    _direct(arena, ins, outs, False)
+
+
+def _direct(arena, ins, outs, ride):
+    """all_to_all_direct's steps; `ride`: my messages go in my slot with the table."""
     world, rank = arena.world_size, arena.rank
     head = a2a_head_nbytes(world)
     i = arena.next_slot()
     mine = arena.claim(i)
     sizes = [a.size for a in ins]
-    ride = rides(arena, sizes)
     mine[:A2A_TABLE_WORDS * world * 8].view(np.int64)[:] = sizes + [a.size for a in outs] + (
         [0] * world if ride else [a.ctypes.data for a in ins])
     if ride:
@@ -74,7 +90,8 @@ def all_to_all_finish(arena, i, ins, outs):
     world, rank = arena.world_size, arena.rank
     head = a2a_head_nbytes(world)
     rows = _checked_table(arena, i)
-    rode = [_fits(arena, row[:world], j) for j, row in enumerate(rows)]
+    rode = [_fits(arena, row[:world], j) and not any(row[2 * world:]) for j, row in
+            enumerate(rows)]  # rode: a row without addresses (all_to_all_read's has them)
     everyone_rode = all(rode)
     if not everyone_rode and (arena.single_copy == NONE or arena.single_copy == CMA
                               and world <= STREAM_MAX_WORLD):

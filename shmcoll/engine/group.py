@@ -692,8 +692,9 @@ class Group:
         hold world_size pieces each, in rank order, of in_counts[j] / out_counts[j]
         elements (both None: equal pieces). The same collective as all_to_all with those
         pieces as lists: a rank may call either form, and the peers' sizes may differ.
-        Where my messages ride with the size table, it is one compiled call
-        (Arena.one_step)."""
+        Where my messages ride with the size table, or (3+ ranks, large equal blocks) are
+        read from where they are, it is one compiled call (Arena.one_step; a read closes
+        with one more step)."""
         if self._poison is not None or self._closed or self._kernels is not None:
             self._usable("all_to_all")
         n = self.world_size
@@ -713,8 +714,13 @@ class Group:
                 ride = algorithms.rides(self._arena, sends)
                 words = np.array(plan.head + sends + recvs, np.int64)
             if ride:
-                if in_counts is not None and np.may_share_memory(out, array):
-                    array = array.copy()  # in place: my own piece may move within `out`
+                if np.may_share_memory(out, array) and (
+                        in_counts is not None or plan.reads
+                        or out.ctypes.data != array.ctypes.data):
+                    # overlapping: my own piece may move within `out` (the kernel keeps
+                    # only equal pieces in place), or peers read my buffer where it lies
+                    # while I write `out` (unaliased())
+                    array = array.copy()
                 src, dst = as_bytes(array), as_bytes(out)
                 self._run_one_step(
                     "all_to_all", plan, src, dst, -1, timeout_s,
@@ -731,16 +737,22 @@ class Group:
     def _plan_all_to_all(self, key, array):
         """all_to_all_single's plan: the list form's fingerprint; `head`, the one-step
         words before the sizes (the 8 usual, then the slot's bytes); for equal pieces
-        (key's size not None) `words` with their sizes and `mode` (None where they do
-        not ride)."""
+        (key's size not None) `words` with their sizes and `mode` (None where they neither
+        ride nor are read: algorithms.reads_one_step, slot bytes 0 in `words`)."""
         plan = self._plan(key, "all_to_all", (dtype_code(array), 0, 0, 0, 0),
                           self._select("all_to_all", array.nbytes), array.nbytes, BYTES)
         plan.head = plan.words.tolist() + [self._arena.slot_nbytes]
         if key[2] is not None:
             n = self.world_size
             sizes = [array.nbytes // n] * n
-            plan.words = np.array(plan.head + sizes + sizes, np.int64)
-            plan.mode = ONE_STEP_ALL_TO_ALL if algorithms.rides(self._arena, sizes) else None
+            ride = algorithms.rides(self._arena, sizes)
+            plan.reads = algorithms.reads_one_step(plan.algo, n, self._arena.single_copy, ride)
+            plan.words = np.array(plan.head[:-1] + [0 if plan.reads else
+                                                    self._arena.slot_nbytes] + sizes + sizes,
+                                  np.int64)
+            plan.mode = ONE_STEP_ALL_TO_ALL if plan.reads or ride else None
+        else:
+            plan.reads = False
         return plan
 
     # -- list helpers ----------------------------------------------------------------------
@@ -915,10 +927,12 @@ class _Plan:
     fp (fingerprint words after the collective code), algo, nbytes, spec (ops.ReduceSpec or
     None) with its pre/post, view (dtype to view the array as, or None), mode (the
     Arena.one_step mode, or None: the general path) and words (that call's int64 plan);
-    all_to_all's also head (the words before its sizes: Group._plan_all_to_all)."""
+    all_to_all's also head (the words before its sizes) and reads (its one-step call reads
+    the peers' blocks where they lie, so its output must not be its input's memory:
+    Group._plan_all_to_all)."""
 
     __slots__ = ("fp", "algo", "nbytes", "spec", "pre", "post", "view", "mode", "words",
-                 "head")
+                 "head", "reads")
 
 
 _MAX_PLANS = 256

@@ -117,14 +117,17 @@ from ..errors import CollectiveMismatchError, ShmcollError
 from .layout import (  # noqa: F401  (re-exported: shm.py, p2p.py, threaded_pg, cuda_ipc)
     _CFG_VERIFY,
     _EXCHANGE,
+    _PEER_PID,
     _NO_BYTES,
     _SINGLE_COPY,
     _STREAM,
     _TWO_SHOT,
+    A2A_PLAN_SLOT,
     A2A_TABLE_WORDS,
     GIL_LEAVE_NS,
     ONE_STEP_ALL_TO_ALL,
     ONE_STEP_BROADCAST,
+    ONE_STEP_CLOSE,
     ONE_STEP_GATHER,
     ONE_STEP_NOT_CONSUMED,
     ONE_STEP_REDUCE,
@@ -278,10 +281,11 @@ class Arena:
         # addresses, wait tiers, GIL turn, rule-4 switch; and one row per kind of peer word.
         self._cfg = np.array([rank, self._spins, yield_ns, self._posted_addr, self._state_addr,
                               self._seq_addr, self._gil_addr, self._gil_me, 1,
-                              self._fp_addrs[0]], np.int64)
+                              self._fp_addrs[0], single_copy], np.int64)
+        peer_pids = [self._pid_arr[p] for p in range(self.world_size) if p != rank]
         self._peer_tab = np.array([self._peer_posted, self._peer_state]
-                                  + self._peer_fp_addrs, np.int64).reshape(
-                                      2 + FP_RING, self.world_size - 1)
+                                  + self._peer_fp_addrs + [peer_pids], np.int64).reshape(
+                                      _PEER_PID + 1, self.world_size - 1)
         self._verify = True
 
     @property
@@ -530,7 +534,7 @@ class Arena:
         Returns what one_step returns."""
         if out is None:
             out = _NO_BYTES
-        clean = r == ONE_STEP_NOT_CONSUMED
+        clean = r == ONE_STEP_NOT_CONSUMED or r == ONE_STEP_CLOSE
         self._clock.one_step(i, step, publishes, clean)
         # The kernel posted (with the fingerprint) but did not finish: the general path's
         # state for this collective, as begin() would have left it, then its slow wait.
@@ -538,6 +542,9 @@ class Arena:
                           [seq, step - 1, *plan[:FP_WORDS - 2].tolist()], step - 1, i)
         if clean:
             self._finish_wait(step, -1, True)
+            if r == ONE_STEP_CLOSE:  # all_to_all's reads of the peers' buffers are done:
+                self.exchange()      # nobody returns while a peer still reads its buffers
+                return None
             return i
         self._finish_wait(step, r, True)
         r = compiled.protocol_kernels._one_step_consume(mode, src, out, self._slot_addrs[i],

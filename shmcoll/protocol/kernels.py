@@ -27,6 +27,7 @@ from .layout import (  # noqa: F401  (the steps' numbers; also read here by test
     _CFG_POSTED,
     _CFG_RANK,
     _CFG_SEQ,
+    _CFG_SINGLE_COPY,
     _CFG_SPINS,
     _CFG_STATE,
     _CFG_VERIFY,
@@ -35,6 +36,7 @@ from .layout import (  # noqa: F401  (the steps' numbers; also read here by test
     _NO_BYTES,
     _ONE_STEP,
     _PEER_FP0,
+    _PEER_PID,
     _PEER_POSTED,
     _PEER_STATE,
     _LANE_ENTRY,
@@ -53,6 +55,7 @@ from .layout import (  # noqa: F401  (the steps' numbers; also read here by test
     A2A_TABLE_WORDS,
     ONE_STEP_ALL_TO_ALL,
     ONE_STEP_BROADCAST,
+    ONE_STEP_CLOSE,
     ONE_STEP_GATHER,
     ONE_STEP_NOT_CONSUMED,
     ONE_STEP_REDUCE,
@@ -64,7 +67,7 @@ from .layout import (  # noqa: F401  (the steps' numbers; also read here by test
     STREAM_RING,
 )
 from ..native.single_copy import CMA
-from ..native.single_copy_kernels import gather_from_peers, reduce_from_peers
+from ..native.single_copy_kernels import fetch, gather_from_peers, reduce_from_peers
 
 
 
@@ -85,10 +88,10 @@ def _dummies():
     spans a control block: a post reads the SLEEPERS word _SLEEPERS_DELTA past POSTED."""
     words = np.zeros(CTRL_LINES * LINE_WORDS, np.int64)
     w = words.ctypes.data
-    cfg = np.zeros(_CFG_FP0 + 1, np.int64)
+    cfg = np.zeros(_CFG_SINGLE_COPY + 1, np.int64)
     cfg[[_CFG_POSTED, _CFG_STATE, _CFG_SEQ, _CFG_FP0]] = (w + 8, w + 16, w, w + 24)
     return (words, w, np.zeros(0, np.int64), np.array([w], np.int64), cfg,
-            np.zeros((2 + FP_RING, 0), np.int64), np.zeros(1, np.uint8), (0,) * FP_WORDS)
+            np.zeros((_PEER_PID + 1, 0), np.int64), np.zeros(1, np.uint8), (0,) * FP_WORDS)
 
 
 def _warm_one_step():
@@ -189,20 +192,22 @@ def _one_step_kernel(mode, src, out, cfg, peer_tab, srcs, plan, pre, post, seq, 
     """Arena.one_step's compiled body: _exchange_steps (copy src into my slot of `srcs`
     unless I am a broadcast's non-root, write fingerprint [seq, step - 1, *plan[:6]], post
     `step`, wait, check), then, when that returned -1, _one_step_consume (reducer
-    plan[7], op plan[6]). Returns _exchange_steps' code."""
+    plan[7], op plan[6]), or _a2a_read for an all_to_all whose messages are read where
+    they are (plan[A2A_PLAN_SLOT] 0). Returns _exchange_steps' code, or theirs."""
     rank = cfg[_CFG_RANK]
     spins = cfg[_CFG_SPINS]
     _gil_enter(cfg[_CFG_GIL], cfg[_CFG_GIL_ME])
     k = seq % FP_RING
     nbytes = src.nbytes if root < 0 or root == rank else 0
     dst = srcs[rank]
+    reads = mode == ONE_STEP_ALL_TO_ALL and plan[A2A_PLAN_SLOT] == 0
     if mode == ONE_STEP_ALL_TO_ALL:  # the table, then my messages to the peers, packed
-        world = srcs.shape[0]
-        dst += _write_a2a_table(dst, world, plan)
+        world = srcs.shape[0]        # (or, where they are read, their addresses in it)
+        dst += _write_a2a_table(dst, world, plan, np.int64(src.ctypes.data), reads)
         at = src.ctypes.data
         for d in range(world):
             n = plan[A2A_PLAN_SIZES + d]
-            if d != rank:
+            if d != rank and not reads:
                 copy_bytes(dst, at, n)
                 dst += n
             at += n
@@ -213,20 +218,77 @@ def _one_step_kernel(mode, src, out, cfg, peer_tab, srcs, plan, pre, post, seq, 
                         peer_tab[_PEER_FP0 + k], peer_tab[_PEER_STATE], spins,
                         cfg[_CFG_YIELD_NS], cfg[_CFG_STATE], cfg[_CFG_VERIFY] != 0)
     if r == -1:
-        r = _one_step_consume(mode, src, out, srcs, rank, root, plan, pre, post)
+        if reads:
+            r = _a2a_read(src, out, srcs, rank, plan, cfg[_CFG_SINGLE_COPY],
+                          peer_tab[_PEER_PID])
+        else:
+            r = _one_step_consume(mode, src, out, srcs, rank, root, plan, pre, post)
     _gil_leave(cfg[_CFG_GIL], cfg[_CFG_GIL_ME], r, spins)
     return r
 
 
 @jit.kernel(nogil=True)
-def _write_a2a_table(slot, world, plan):
+def _a2a_read(src, out, srcs, rank, plan, single_copy, peer_pids):
+    """ONE_STEP_ALL_TO_ALL's work after the wait where my messages stay in `src` and the
+    table carries their addresses (plan[A2A_PLAN_SLOT] 0): when every rank's table agrees
+    and every rank's messages are to be read, rank j's message to me is read from its
+    buffer (single copy: CMA, or a plain copy between rank threads), peers in turn from
+    the one after me (N - 1 readers do not all start on the same rank), my own copied from
+    `src`; ONE_STEP_CLOSE then, for the closing step. ONE_STEP_NOT_CONSUMED where the
+    tables say otherwise or a read failed: the general path (all_to_all_finish) does it
+    all again from the same table, and raises a failed read's error (the same read)."""
+    world = srcs.shape[0]
+    if single_copy == 0 or not _a2a_all_read(srcs, world):
+        return ONE_STEP_NOT_CONSUMED
+    sizes = A2A_PLAN_SIZES + world  # my receive sizes, in rank order
+    mine = np.int64(src.ctypes.data)
+    at = np.int64(out.ctypes.data)
+    for j in range(rank):
+        mine += plan[A2A_PLAN_SIZES + j]
+        at += plan[sizes + j]
+    if mine != at:  # in place (equal pieces): my piece is already there
+        copy_bytes(at, mine, plan[sizes + rank])
+    for k in range(1, world):
+        j = (rank + k) % world
+        n = plan[sizes + j]
+        if n == 0:
+            continue
+        at = np.int64(out.ctypes.data)
+        for q in range(j):
+            at += plan[sizes + q]
+        remote = load_acquire(srcs[j] + 8 * (2 * world + rank))
+        if fetch(single_copy, peer_pids[j if j < rank else j - 1], at, remote, n) != 0:
+            return ONE_STEP_NOT_CONSUMED
+    return ONE_STEP_CLOSE
+
+
+@jit.kernel(nogil=True)
+def _a2a_all_read(srcs, world):
+    """Every rank's table agrees with every other's (a's send to b is b's receive from
+    a), no size is negative, and every rank's messages to its peers are to be read: an
+    address for each non-empty one (all_to_all_direct's table for messages that do not
+    ride; 0 where they rode)."""
+    for a in range(world):
+        for b in range(world):
+            n = load_acquire(srcs[a] + 8 * b)
+            if n < 0 or n != load_acquire(srcs[b] + 8 * (world + a)):
+                return False
+            if b != a and n > 0 and load_acquire(srcs[a] + 8 * (2 * world + b)) == 0:
+                return False
+    return True
+
+
+@jit.kernel(nogil=True)
+def _write_a2a_table(slot, world, plan, at, reads):
     """ONE_STEP_ALL_TO_ALL's table in my slot at `slot`: my send and receive sizes from
-    `plan`, no addresses (my messages ride); returns where the messages to the peers go
-    (algorithms/all_to_all.py's layout)."""
+    `plan`, then no addresses (my messages ride) or, where they are read (`reads`), my
+    messages' addresses, packed in rank order from `at`; returns where the messages to the
+    peers go (algorithms/all_to_all.py's layout)."""
     for w in range(2 * world):
         store_release(slot + 8 * w, plan[A2A_PLAN_SIZES + w])
-    for w in range(2 * world, A2A_TABLE_WORDS * world):
-        store_release(slot + 8 * w, _ZERO)
+    for w in range(world):
+        store_release(slot + 8 * (2 * world + w), at if reads else _ZERO)
+        at += plan[A2A_PLAN_SIZES + w]
     return _a2a_head(world)
 
 
@@ -239,13 +301,15 @@ def _a2a_head(world):
 @jit.kernel(nogil=True)
 def _a2a_all_rode(srcs, world, head, slot_nbytes):
     """Every rank's table in its slot agrees with every other's (a's send to b is b's
-    receive from a), no size is negative, and every rank's messages rode with it (the
-    same test as algorithms.all_to_all_finish)."""
+    receive from a), no size is negative, and every rank's messages rode with it: they fit
+    and the table has no addresses (the same test as algorithms.all_to_all_finish)."""
     for a in range(world):
         total = 0
         for b in range(world):
             n = load_acquire(srcs[a] + 8 * b)
             if n < 0 or n > slot_nbytes or n != load_acquire(srcs[b] + 8 * (world + a)):
+                return False
+            if load_acquire(srcs[a] + 8 * (2 * world + b)) != 0:
                 return False
             if b != a:
                 total += n
@@ -267,7 +331,8 @@ def _one_step_consume(mode, src, out, srcs, rank, root, plan, pre, post):
     if mode == ONE_STEP_ALL_TO_ALL:  # rank j's message to me (packed after its table,
         world = srcs.shape[0]          # its own skipped) to my out, in rank order
         head = _a2a_head(world)
-        if not _a2a_all_rode(srcs, world, head, plan[A2A_PLAN_SLOT]):
+        if plan[A2A_PLAN_SLOT] == 0 or not _a2a_all_rode(srcs, world, head,
+                                                         plan[A2A_PLAN_SLOT]):
             return ONE_STEP_NOT_CONSUMED
         at = out.ctypes.data
         for j in range(world):

@@ -54,12 +54,18 @@ ONE_STEP_REDUCE, ONE_STEP_BROADCAST, ONE_STEP_GATHER, ONE_STEP_REDUCE_SCATTER, \
 # none of _exchange_steps' codes (-1 clean, -2 aborted, -3 mismatch, -4 aborted peer,
 # >= 0 late).
 ONE_STEP_NOT_CONSUMED = -9
+# ... and when it read every peer's message from the peer's own buffer (ONE_STEP_ALL_TO_ALL
+# with A2A_PLAN_SLOT 0, single copy) and what is left is the closing step: a post and
+# wait, so that no rank returns while a peer still reads its buffers (Arena.exchange).
+ONE_STEP_CLOSE = -10
 # all_to_all's size table at the start of every rank's slot (algorithms/all_to_all.py and
 # the one-step kernel): A2A_TABLE_WORDS int64 per rank of the group (send sizes, receive
 # sizes, send addresses), then, from the next line on, the messages that ride with it.
 A2A_TABLE_WORDS = 3
 # ONE_STEP_ALL_TO_ALL's plan (Arena.one_step's `plan`) after the 8 usual words: the slot's
-# bytes, then my send sizes and my receive sizes in bytes (N each).
+# bytes, then my send sizes and my receive sizes in bytes (N each). Slot bytes 0: my
+# messages stay where they are; the table carries their addresses for the peers to read
+# (single copy), as all_to_all_direct's table does for messages that do not ride.
 A2A_PLAN_SLOT = 8
 A2A_PLAN_SIZES = 9
 
@@ -71,8 +77,11 @@ def a2a_head_nbytes(world):
 
 # Words of Arena._cfg (the one-step kernel's constants) and rows of Arena._peer_tab.
 (_CFG_RANK, _CFG_SPINS, _CFG_YIELD_NS, _CFG_POSTED, _CFG_STATE, _CFG_SEQ, _CFG_GIL,
- _CFG_GIL_ME, _CFG_VERIFY, _CFG_FP0) = range(10)
+ _CFG_GIL_ME, _CFG_VERIFY, _CFG_FP0, _CFG_SINGLE_COPY) = range(11)
+# Rows of Arena._peer_tab (a column per peer, in rank order): their POSTED and STATE
+# words, FP_RING fingerprint lines, then their pids.
 _PEER_POSTED, _PEER_STATE, _PEER_FP0 = 0, 1, 2
+_PEER_PID = _PEER_FP0 + FP_RING
 # The kernel sets (jit.once keys: protocol/kernels.py loads each on its first use).
 _ONE_STEP = "shmcoll's one-step kernel"
 _EXCHANGE = "shmcoll's exchange and wait kernels"

@@ -157,7 +157,8 @@ static PyObject *timeout_of(Lane *self, PyObject *opts) {
 }
 
 /* The plan entry for `key` (steals it): (plan, mode, words address, words length, pre,
-   post, nbytes, name, engine reduce op), asked of the planner once per key; DECLINE where
+   post, nbytes, name, engine reduce op, whether it may run with its output the input's
+   memory), asked of the planner once per key; DECLINE where
    the lane does not run this call shape. New reference, or NULL on an error. */
 static PyObject *plan_for(Lane *self, PyObject *pg, PyObject *key, int op, PyObject *out,
                           PyObject *in, long root, int redop) {
@@ -268,8 +269,8 @@ static PyObject *lane_go(PyObject *module, PyObject *const *args, Py_ssize_t nar
     PyObject *opts = args[7];
     int64_t src = PyLong_AsLongLong(args[8]), dst = PyLong_AsLongLong(args[9]);
     if (PyErr_Occurred()) return NULL;
-    if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 9) {
-        PyErr_SetString(PyExc_TypeError, "_go: a plan entry is a tuple of 9");
+    if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 10) {
+        PyErr_SetString(PyExc_TypeError, "_go: a plan entry is a tuple of 10");
         return NULL;
     }
     int r, err = 0;
@@ -502,6 +503,19 @@ static PyObject *try_all_to_all(Lane *self, PyObject *pg, PyObject *const *args,
     Py_DECREF(o.shape);
     Py_DECREF(i.shape);
     if (entry == NULL || entry == DECLINE) return entry;
+    int64_t nbytes = PyLong_AsLongLong(PyTuple_GET_ITEM(entry, 6));
+    if (nbytes == -1 && PyErr_Occurred()) {
+        Py_DECREF(entry);
+        return NULL;
+    }
+    if (o.ptr < i.ptr + nbytes && i.ptr < o.ptr + nbytes
+            && (o.ptr != i.ptr || PyTuple_GET_ITEM(entry, 9) != Py_True)) {
+        /* overlapping, but for in place where the plan may: the group's method, which
+           copies the input (a peer reading my buffer where it lies must not see my output
+           written under it) */
+        Py_DECREF(entry);
+        return DECLINE;
+    }
     return run(self, pg, OP_ALL_TO_ALL, out, in, entry, -1, args[4], i.ptr, o.ptr);
 }
 

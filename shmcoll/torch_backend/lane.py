@@ -108,9 +108,11 @@ def arm(lane, group):
 
 def _plan(pg, op, out, inp, root, k):
     """The Lane's plan entry for a call shape (asked once per key): (plan, mode, words
-    address, words length, pre, post, nbytes, engine name, engine reduce op), or None
-    where the one-step kernel does not run it whole or the call is not valid (the Python
-    method then runs or refuses it)."""
+    address, words length, pre, post, nbytes, engine name, engine reduce op, in place:
+    whether the kernel may run it with the output the input's memory -- all but an
+    all_to_all whose blocks are read where they lie), or None where the one-step kernel
+    does not run it whole or the call is not valid (the Python method then runs or refuses
+    it)."""
     name = NAMES[op]
     eng = ReduceOp.SUM
     if op in (OP_ALL_REDUCE, OP_REDUCE_SCATTER):
@@ -124,8 +126,9 @@ def _plan(pg, op, out, inp, root, k):
         return None
     if plan is None:
         return None
+    in_place = op != OP_ALL_TO_ALL or not plan.reads
     return (plan, plan.mode, plan.words.ctypes.data, plan.words.size, float(plan.pre),
-            float(plan.post), plan.nbytes, name, eng)
+            float(plan.post), plan.nbytes, name, eng, in_place)
 
 
 def _resume(pg, op, out, inp, entry, seq, i, step, publishes, r, root, timeout_s, t_start,
