@@ -489,8 +489,12 @@ class Arena:
         ONE_STEP_ALL_TO_ALL: step 1 of all_to_all_direct where my messages (the pieces of
             `src`, in rank order, sizes in the plan) ride with the table; when every rank's
             table agrees and every rank's messages rode, rank j's message to me lands in
-            `out` (pieces in rank order). Otherwise the work after the wait is the caller's:
-            one_step returns slot i, as the general path left it after step 1
+            `out` (pieces in rank order). With slot bytes 0 in the plan (all_to_all_read),
+            the table carries my pieces' addresses instead, and when every rank's messages
+            are to be read, the kernel reads mine from the peers' buffers and one_step
+            closes with one more step (exchange: nobody returns while a peer still reads
+            its buffer). Otherwise the work after the wait is the caller's: one_step
+            returns slot i, as the general path left it after step 1
             (algorithms.all_to_all_finish).
 
         `plan`: int64 [collective code, dtype code, count, root, op, shape word, kernel op,
