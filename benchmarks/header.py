@@ -14,6 +14,7 @@ import tarfile
 from pathlib import Path
 
 from benchmarks import device as device_mod
+from benchmarks.traffic import usable_cores
 from benchmarks.peers import find_mpirun
 from benchmarks.rows import MEMCPY, MPI4PY
 from benchmarks.sizes import human
@@ -106,10 +107,7 @@ def git_commit(start: Path = Path(__file__).resolve().parent) -> str:
 def make_header(args) -> dict:
     import torch
 
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:
-        usable = os.cpu_count()
+    usable = usable_cores()
     return {
         "record": "header",
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),

@@ -128,7 +128,7 @@ def rides(arena, sends):
 def _fits(arena, sends, sender):
     """Whether rank `sender`'s messages of `sends` bytes (its own left out) fit its slot
     after the table: the one riding rule, for my messages and for a peer's table row (the
-    one-step kernel's _a2a_all_rode is its compiled twin)."""
+    one-step kernel's _a2a_table is its compiled twin)."""
     return a2a_head_nbytes(arena.world_size) + sum(sends) - sends[sender] <= arena.slot_nbytes
 
 

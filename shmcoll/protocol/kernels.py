@@ -149,6 +149,7 @@ def warm_up_one_step():
 # own Literal type and compiles the callee once more for it (0.1-0.2 s each when cold);
 # numpy scalars type as plain int64.
 _ZERO, _DONE = np.int64(0), np.int64(-1)
+_A2A_RODE, _A2A_READ = 1, 2  # what _a2a_table finds
 
 
 @jit.kernel(nogil=True)
@@ -204,13 +205,14 @@ def _one_step_kernel(mode, src, out, cfg, peer_tab, srcs, plan, pre, post, seq, 
     if mode == ONE_STEP_ALL_TO_ALL:  # the table, then my messages to the peers, packed
         world = srcs.shape[0]        # (or, where they are read, their addresses in it)
         dst += _write_a2a_table(dst, world, plan, np.int64(src.ctypes.data), reads)
-        at = src.ctypes.data
-        for d in range(world):
-            n = plan[A2A_PLAN_SIZES + d]
-            if d != rank and not reads:
-                copy_bytes(dst, at, n)
-                dst += n
-            at += n
+        if not reads:
+            at = src.ctypes.data
+            for d in range(world):
+                n = plan[A2A_PLAN_SIZES + d]
+                if d != rank:
+                    copy_bytes(dst, at, n)
+                    dst += n
+                at += n
         nbytes = 0
     r = _exchange_steps(src, _ZERO, nbytes, dst, cfg[_CFG_FP0] + k * LINE_NBYTES,
                         seq, step - 1, plan[0], plan[1], plan[2], plan[3], plan[4], plan[5],
@@ -238,7 +240,7 @@ def _a2a_read(src, out, srcs, rank, plan, single_copy, peer_pids):
     tables say otherwise or a read failed: the general path (all_to_all_finish) does it
     all again from the same table, and raises a failed read's error (the same read)."""
     world = srcs.shape[0]
-    if single_copy == 0 or not _a2a_all_read(srcs, world):
+    if single_copy == 0 or _a2a_table(srcs, world, 0, 0) != _A2A_READ:
         return ONE_STEP_NOT_CONSUMED
     sizes = A2A_PLAN_SIZES + world  # my receive sizes, in rank order
     mine = np.int64(src.ctypes.data)
@@ -263,22 +265,6 @@ def _a2a_read(src, out, srcs, rank, plan, single_copy, peer_pids):
 
 
 @jit.kernel(nogil=True)
-def _a2a_all_read(srcs, world):
-    """Every rank's table agrees with every other's (a's send to b is b's receive from
-    a), no size is negative, and every rank's messages to its peers are to be read: an
-    address for each non-empty one (all_to_all_direct's table for messages that do not
-    ride; 0 where they rode)."""
-    for a in range(world):
-        for b in range(world):
-            n = load_acquire(srcs[a] + 8 * b)
-            if n < 0 or n != load_acquire(srcs[b] + 8 * (world + a)):
-                return False
-            if b != a and n > 0 and load_acquire(srcs[a] + 8 * (2 * world + b)) == 0:
-                return False
-    return True
-
-
-@jit.kernel(nogil=True)
 def _write_a2a_table(slot, world, plan, at, reads):
     """ONE_STEP_ALL_TO_ALL's table in my slot at `slot`: my send and receive sizes from
     `plan`, then no addresses (my messages ride) or, where they are read (`reads`), my
@@ -299,23 +285,31 @@ def _a2a_head(world):
 
 
 @jit.kernel(nogil=True)
-def _a2a_all_rode(srcs, world, head, slot_nbytes):
-    """Every rank's table in its slot agrees with every other's (a's send to b is b's
-    receive from a), no size is negative, and every rank's messages rode with it: they fit
-    and the table has no addresses (the same test as algorithms.all_to_all_finish)."""
+def _a2a_table(srcs, world, head, slot_nbytes):
+    """What every rank's table in its slot says: _A2A_RODE when they agree with each
+    other (a's send to b is b's receive from a), no size is negative and every rank's
+    messages rode with it (they fit a slot of `slot_nbytes` and the table has no
+    addresses: the same test as algorithms.all_to_all_finish); _A2A_READ when they agree
+    and every rank's messages to its peers are to be read (an address for each non-empty
+    one); else 0 (a mismatch, or a mix: the general path's)."""
+    rode = True
+    read = True
     for a in range(world):
         total = 0
         for b in range(world):
             n = load_acquire(srcs[a] + 8 * b)
-            if n < 0 or n > slot_nbytes or n != load_acquire(srcs[b] + 8 * (world + a)):
-                return False
-            if load_acquire(srcs[a] + 8 * (2 * world + b)) != 0:
-                return False
+            if n < 0 or n != load_acquire(srcs[b] + 8 * (world + a)):
+                return 0
+            addr = load_acquire(srcs[a] + 8 * (2 * world + b))
+            if addr != 0 or n > slot_nbytes:
+                rode = False
             if b != a:
                 total += n
+                if n > 0 and addr == 0:
+                    read = False
         if head + total > slot_nbytes:
-            return False
-    return True
+            rode = False
+    return _A2A_RODE if rode else _A2A_READ if read else 0
 
 
 @jit.kernel(nogil=True)
@@ -331,8 +325,8 @@ def _one_step_consume(mode, src, out, srcs, rank, root, plan, pre, post):
     if mode == ONE_STEP_ALL_TO_ALL:  # rank j's message to me (packed after its table,
         world = srcs.shape[0]          # its own skipped) to my out, in rank order
         head = _a2a_head(world)
-        if plan[A2A_PLAN_SLOT] == 0 or not _a2a_all_rode(srcs, world, head,
-                                                         plan[A2A_PLAN_SLOT]):
+        if plan[A2A_PLAN_SLOT] == 0 or \
+                _a2a_table(srcs, world, head, plan[A2A_PLAN_SLOT]) != _A2A_RODE:
             return ONE_STEP_NOT_CONSUMED
         at = out.ctypes.data
         for j in range(world):
