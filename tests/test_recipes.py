@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -48,9 +49,31 @@ needs_accelerate = pytest.mark.skipif(
     "the Accelerate recipe's test runs it")
 
 
-def _run(args, torchrun=False, restarts=0, timeout_s=RUN_TIMEOUT_S):
+# How torch's own teardown sometimes ends a gloo rank: a C++ std::thread destroyed while
+# joinable, as the process exits (CI, 2026-11-29: the Accelerate recipe's gloo run, rank 1
+# SIGABRT after its training; 0 of 40 reruns here, loaded or not).
+TORCH_TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def _run(args, torchrun=False, restarts=0, timeout_s=RUN_TIMEOUT_S, reference=False):
     """Run `python [torchrun options] args` (an example under examples/ first, or "-m")
-    to completion; its output."""
+    to completion; its output. A `reference` run (the gloo baseline a test holds "shm"
+    to) that torch's teardown aborts (TORCH_TEARDOWN_ABORT) runs once more, with a
+    warning: the baseline's crash in torch says nothing of "shm". Any other failure, and
+    any failure of a run on "shm", fails the test."""
+    returncode, out = _run_once(args, torchrun, restarts, timeout_s)
+    if returncode != 0 and reference and TORCH_TEARDOWN_ABORT in out:
+        warnings.warn(f"{' '.join(map(str, args))}: torch's teardown aborted the reference "
+                      f"run ({TORCH_TEARDOWN_ABORT!r}); running it again")
+        returncode, out = _run_once(args, torchrun, restarts, timeout_s)
+    assert returncode == 0, (
+        f"{' '.join(map(str, args))} failed ({returncode}):\n{out[-8000:]}")
+    return out
+
+
+def _run_once(args, torchrun, restarts, timeout_s):
+    """One run of _run's command: (its exit status, its output). It must leave nothing in
+    /dev/shm, whatever its status."""
     cmd = [sys.executable]
     if torchrun:
         cmd += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -69,11 +92,32 @@ def _run(args, torchrun=False, restarts=0, timeout_s=RUN_TIMEOUT_S):
                     f"{out[-5000:]}")
     finally:
         _end_session(proc.pid)
-    assert proc.returncode == 0, (
-        f"{' '.join(map(str, args))} failed ({proc.returncode}):\n{out[-8000:]}")
     left = devshm.left_behind(before)
     assert not left, f"{' '.join(map(str, args))} left in /dev/shm: {left}"
-    return out
+    return proc.returncode, out
+
+
+@pytest.mark.parametrize("reference, first, runs, passes", [
+    (True, (-6, TORCH_TEARDOWN_ABORT), 2, True),  # the baseline's teardown abort: once more
+    (False, (-6, TORCH_TEARDOWN_ABORT), 1, False),  # a run on "shm": never
+    (True, (1, "Traceback: ValueError"), 1, False),  # the baseline's own failure: never
+    (True, (0, "done"), 1, True),
+])
+def test_run_retries_only_a_reference_run_that_torch_teardown_aborted(
+        monkeypatch, reference, first, runs, passes):
+    results = [first, (0, "done")]
+    calls = []
+    monkeypatch.setattr(sys.modules[__name__], "_run_once",
+                        lambda *a: calls.append(a) or results[len(calls) - 1])
+    if passes:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert _run(["x.py"], reference=reference) == "done"
+        assert len(caught) == runs - 1
+    else:
+        with pytest.raises(AssertionError, match="x.py failed"):
+            _run(["x.py"], reference=reference)
+    assert len(calls) == runs
 
 
 def _env(**extra):
@@ -165,7 +209,8 @@ def test_lightning_ddp_and_ddp_spawn_on_shm_match_gloo(tmp_path):
     runs = {}
     for backend, strategy in (("gloo", "ddp"), ("shm", "ddp"), ("shm", "ddp_spawn")):
         out = tmp_path / f"{backend}-{strategy}.pt"
-        _run(["lightning_ddp.py", "--backend", backend, "--strategy", strategy, "--out", out])
+        _run(["lightning_ddp.py", "--backend", backend, "--strategy", strategy, "--out", out],
+             reference=backend == "gloo")
         runs[backend, strategy] = _load(out)
     want = runs["gloo", "ddp"]
     _same(runs["shm", "ddp"], want, "ddp")
@@ -195,7 +240,8 @@ def test_accelerate_on_a_process_group_made_first_matches_gloo(tmp_path):
     runs = {}
     for backend in ("gloo", "shm"):
         out = tmp_path / f"{backend}.pt"
-        _run(["accelerate_cpu.py", "--backend", backend, "--out", out], torchrun=True)
+        _run(["accelerate_cpu.py", "--backend", backend, "--out", out], torchrun=True,
+             reference=backend == "gloo")
         runs[backend] = _load(out)
     assert runs["gloo"]["losses"].shape == (4, 2)  # 4 steps x the 2 ranks' gathered losses
     _same(runs["shm"], runs["gloo"], "accelerate")
@@ -236,7 +282,8 @@ def test_torchrun_restarts_on_shm_end_where_an_uninterrupted_gloo_run_does(tmp_p
     for line in ("rank 1 dies before init in attempt 0", "rank 1 dies after step 3 in attempt 1",
                  "rank 0: resumed from step 3", "rank 0: done in attempt 2"):
         assert line in log, f"{line!r} missing:\n{log[-5000:]}"
-    _run(["torchrun_elastic.py", "--backend", "gloo", "--out", gloo], torchrun=True)
+    _run(["torchrun_elastic.py", "--backend", "gloo", "--out", gloo], torchrun=True,
+         reference=True)
     _same(_load(shm / "final.pt"), _load(gloo / "final.pt"), "elastic")
 
 
@@ -253,7 +300,7 @@ def test_dcp_save_and_resume_of_a_sharded_model_on_shm_matches_gloo(tmp_path):
     for backend in ("gloo", "shm"):
         out, ckpt = tmp_path / f"{backend}.pt", tmp_path / f"{backend}-checkpoint"
         _run(["dcp_checkpoint.py", "--backend", backend, "--checkpoint", ckpt, "--out", out],
-             torchrun=True)
+             torchrun=True, reference=backend == "gloo")
         runs[backend] = _load(out)
         assert (ckpt / ".metadata").exists() and len(list(ckpt.glob("*.distcp"))) == 2
     _same(runs["shm"], runs["gloo"], "dcp")
