@@ -1,11 +1,14 @@
-"""The compiled wait tiers (atomics.wait_all_ge / wait_any_ge: yield tier bounded by time)
+"""The compiled wait tiers (atomics.wait_all_ge / wait_any_ge: spin and yield tiers bounded
+by time, no spin for a peer last seen on my CPU)
 and the rank threads' Python turn (protocol_kernels._gil_enter / _gil_leave, threaded_pg RankStates).
 
 These are the pieces whose failure would not show as a wrong result, only as a hang or a
 slow group: a yield tier that never ends, a turn that is never given back.
 """
 
+import contextlib
 import ctypes
+import os
 import threading
 import time
 
@@ -13,9 +16,10 @@ import numba
 import numpy as np
 import pytest
 
-from shmcoll.native.atomics import (cpu_pause, load_acquire, monotonic_ns, wait_all_ge, wait_any_ge,
-                             write_release)
-from shmcoll.protocol.kernels import GIL_LEAVE_NS, _gil_enter, _gil_leave
+from shmcoll.native.atomics import (OWNER_CPU_OFFSET, cpu_pause, load_acquire, monotonic_ns,
+                                    wait_all_ge, wait_any_ge, write_release)
+from shmcoll.protocol.kernels import GIL_LEAVE_NS, _gil_enter, _gil_leave, post_wake
+from shmcoll.protocol.layout import CTRL_LINES, LINE_WORDS
 from threaded_pg.arena import RankStates
 
 pytestmark = pytest.mark.timeout(60)
@@ -87,6 +91,70 @@ def test_wait_any_ge_budget():
     assert 0.02 <= time.perf_counter() - t0 < 2.0
     w[1] = 1
     assert wait_any_ge(addrs, targets, 0, 0, abort) == 1
+
+
+@contextlib.contextmanager
+def _on_one_cpu():
+    """Run this thread on one CPU (yielded) for the block: the CPU the waits see."""
+    before = os.sched_getaffinity(0)
+    cpu = min(before)
+    os.sched_setaffinity(0, {cpu})
+    try:
+        yield cpu
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def _owned_word():
+    """[a word awaited, its owner's CPU + 1 (OWNER_CPU_OFFSET past it), the abort word]."""
+    assert OWNER_CPU_OFFSET == 8
+    w = np.zeros(3, np.int64)
+    return w, np.array([w.ctypes.data], np.int64), w.ctypes.data + 16
+
+
+def test_a_post_says_which_cpu_it_came_from():
+    words = np.zeros(CTRL_LINES * LINE_WORDS, np.int64)  # a control block (SLEEPERS read)
+    with _on_one_cpu() as cpu:
+        post_wake(words.ctypes.data, 7)
+    assert words[0] == 7 and words[OWNER_CPU_OFFSET // 8] == cpu + 1
+
+
+def test_spin_tier_lasts_its_budget_unless_the_peer_last_posted_from_my_cpu():
+    w, addrs, abort = _owned_word()
+    with _on_one_cpu() as cpu:
+        wait_all_ge(addrs, 1, 0, 0, abort)  # compiled before timing
+        w[1] = cpu + 2  # the peer is elsewhere: spin the whole budget, then give up
+        t0 = time.perf_counter()
+        assert wait_all_ge(addrs, 1, 50_000_000, 0, abort) == 0
+        assert 0.05 <= time.perf_counter() - t0 < 2.0
+        w[1] = cpu + 1  # it last posted from my CPU: it cannot run while I spin
+        took = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            assert wait_all_ge(addrs, 1, 5_000_000_000, 0, abort) == 0
+            took.append(time.perf_counter() - t0)
+        assert min(took) < 1.0, took  # not the 5 s budget
+        w[1] = cpu + 2  # it moves onto my CPU while I spin: the spin ends there
+        timer = threading.Timer(0.02, lambda: w.__setitem__(1, cpu + 1))
+        timer.start()
+        t0 = time.perf_counter()
+        assert wait_all_ge(addrs, 1, 5_000_000_000, 0, abort) == 0
+        assert time.perf_counter() - t0 < 2.5
+        timer.join()
+        w[1] = cpu + 2  # ... and a post during the spin is seen
+        timer = threading.Timer(0.02, lambda: w.__setitem__(0, 1))
+        timer.start()
+        assert wait_all_ge(addrs, 1, 5_000_000_000, 0, abort) == -1
+        timer.join()
+
+
+def test_wait_any_ge_spin_budget():
+    w, addrs, abort = _words(1)
+    targets = np.array([1], np.int64)
+    wait_any_ge(addrs, targets, 0, 0, abort)  # compiled before timing
+    t0 = time.perf_counter()
+    assert wait_any_ge(addrs, targets, 20_000_000, 0, abort) == -1
+    assert 0.02 <= time.perf_counter() - t0 < 2.0
 
 
 def _turn():
@@ -203,7 +271,7 @@ def test_streamed_collectives_resume_through_the_python_wait(monkeypatch, world_
     import threaded_pg
     from shmcoll import config, protocol
 
-    monkeypatch.setattr(protocol, "SPINS", 0)
+    monkeypatch.setattr(protocol, "SPIN_NS", 0)
     monkeypatch.setattr(protocol, "YIELD_NS", 0)
     cfg = config.from_env(slot_nbytes=64 << 10, direct_max_nbytes=direct_max)
     count = (1 << 20) // 4 + 3

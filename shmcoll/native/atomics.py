@@ -32,6 +32,7 @@ __all__ = [
     "add_release",
     "cas_acq_rel",
     "sched_yield",
+    "sched_getcpu",
     "monotonic_ns",
     "copy_bytes",
     "fence_seq_cst",
@@ -42,6 +43,8 @@ __all__ = [
     "read_acquire",
     "write_release",
     "warm_up",
+    "OWNER_CPU_OFFSET",
+    "SPIN_CHECK_POLLS",
 ]
 
 _IS_X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
@@ -210,6 +213,20 @@ def sched_yield(typingctx):
 
 
 @intrinsic
+def sched_getcpu(typingctx):
+    """Call libc sched_getcpu(): the CPU this thread runs on now (glibc reads it from rseq
+    or the vDSO: a few ns), -1 where it cannot tell."""
+    sig = types.int32()
+
+    def codegen(context, builder, signature, args):
+        fnty = ir.FunctionType(ir.IntType(32), [])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "sched_getcpu")
+        return builder.call(fn, [])
+
+    return sig, codegen
+
+
+@intrinsic
 def monotonic_ns(typingctx):
     """clock_gettime(CLOCK_MONOTONIC) in nanoseconds (a vDSO call, ~20-50 ns): lets the
     compiled waits bound their yield tier by time rather than by a count of sched_yield
@@ -246,70 +263,101 @@ def copy_bytes(typingctx, dst, src, nbytes):
     return sig, codegen
 
 
+# wait_all_ge's contract with the words it waits on: the int64 OWNER_CPU_OFFSET bytes past
+# each holds 1 + the CPU its owner last ran on when it wrote the word (0: unknown; the
+# protocol's post writes both, kernels.post_wake). A waiter that finds the rank it waits for
+# last seen on its own CPU does not spin: that rank cannot run until the waiter lets go of
+# the CPU (two ranks the scheduler put on one core; a loaded host).
+OWNER_CPU_OFFSET = 8
+# pause-polls between two looks at the clock (and at the owner's CPU) in the spin tier:
+# ~2 us of pauses on the 2-core VM's AMD EPYC (27 ns each), fewer cycles than a clock read
+# costs in proportion
+SPIN_CHECK_POLLS = 64
+
+
 @jit.kernel(nogil=True)
-def wait_all_ge(addrs, target, spins, yield_ns, abort_addr):
+def wait_all_ge(addrs, target, spin_ns, yield_ns, abort_addr):
     """Wait until every word at `addrs` is >= target, or give up.
 
-    Tier 1: up to `spins` polls with a pause hint; tier 2: polls each followed by
+    Tier 1: pause-polls for up to `spin_ns` nanoseconds, unless the rank that owns the word
+    awaited was last seen on this CPU (OWNER_CPU_OFFSET); tier 2: polls each followed by
     sched_yield (the right thing when ranks outnumber cores) for up to `yield_ns`
     nanoseconds. Returns -1 when all words reached `target`, -2 when the abort word at
     `abort_addr` became non-zero, else the index of the first word still below `target`
     (the caller then checks its deadline and peer liveness and calls again, possibly
-    sleeping in between). spins = yield_ns = 0: one pass, no waiting.
+    sleeping in between). spin_ns = yield_ns = 0: one pass, no waiting.
     """
     n = addrs.shape[0]
     k = 0
-    used = 0
+    tier = 0  # 0: nothing awaited yet, 1: spinning, 2: yielding
+    polls = 0
     until = 0
+    me = 0
     while k < n:
         if load_acquire(addrs[k]) >= target:
             k += 1
             continue
         if load_acquire(abort_addr) != 0:
             return -2
-        if used < spins:
-            cpu_pause()
-            used += 1
-            continue
-        now = monotonic_ns()
-        if used == spins:  # entering the yield tier: start its clock
+        if tier == 1:
+            polls += 1
+            if polls % SPIN_CHECK_POLLS != 0:
+                cpu_pause()
+                continue
+            now = monotonic_ns()
+            if now < until and load_acquire(addrs[k] + OWNER_CPU_OFFSET) != me:
+                cpu_pause()
+                continue
+            tier = 2
             until = now + yield_ns
-            used += 1
-        if now >= until:
+        elif tier == 0:
+            now = monotonic_ns()
+            me = sched_getcpu() + 1
+            if spin_ns > 0 and load_acquire(addrs[k] + OWNER_CPU_OFFSET) != me:
+                tier = 1
+                until = now + spin_ns
+                cpu_pause()
+                continue
+            tier = 2
+            until = now + yield_ns
+        if monotonic_ns() >= until:
             return k
         sched_yield()
     return -1
 
 
 @jit.kernel(nogil=True)
-def wait_any_ge(addrs, targets, spins, yield_ns, abort_addr):
+def wait_any_ge(addrs, targets, spin_ns, yield_ns, abort_addr):
     """Wait until some word `addrs[k]` is >= `targets[k]`, or give up.
 
-    The p2p progress wait (p2p.py): one word per thing that could make progress. Same
-    tiers as wait_all_ge (`spins` pause-polls, then sched_yield polls for up to `yield_ns`
-    ns); one full pass always runs, so spins = yield_ns = 0 is a non-blocking check.
-    Returns the first such k, -2 when the word at `abort_addr` became non-zero, else -1.
+    The p2p progress wait (p2p.py): one word per thing that could make progress. Tiers
+    as wait_all_ge's by time (`spin_ns` of pause-polls, then sched_yield polls for up to
+    `yield_ns` ns; no owner CPUs: these words are mailbox cells); one full pass always
+    runs, so spin_ns = yield_ns = 0 is a non-blocking check. Returns the first such k, -2
+    when the word at `abort_addr` became non-zero, else -1.
     """
     n = addrs.shape[0]
-    used = 0
-    until = 0
+    polls = 0
+    start = monotonic_ns()
+    spin_until = start + spin_ns
+    until = spin_until + yield_ns
     while True:
         for k in range(n):
             if load_acquire(addrs[k]) >= targets[k]:
                 return k
         if load_acquire(abort_addr) != 0:
             return -2
-        if used < spins:
+        polls += 1
+        if spin_ns > 0 and polls % SPIN_CHECK_POLLS != 0:
             cpu_pause()
-            used += 1
             continue
         now = monotonic_ns()
-        if used == spins:
-            until = now + yield_ns
-            used += 1
         if now >= until:
             return -1
-        sched_yield()
+        if now < spin_until:
+            cpu_pause()
+        else:
+            sched_yield()
 
 
 @jit.kernel(nogil=True)

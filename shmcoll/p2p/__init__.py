@@ -66,8 +66,8 @@ from ..native import jit
 from . import compiled
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError, GroupAbortedError, \
     PeerLostError, ShmcollError
-from .progress import ProgressLoop
-from ..protocol import LINE_NBYTES, SPINS, STATE_ABORTED, STATE_CLOSED, STATE_LIVE, W_STATE
+from .progress import SPIN_NS, ProgressLoop
+from ..protocol import LINE_NBYTES, STATE_ABORTED, STATE_CLOSED, STATE_LIVE, W_STATE
 from .layout import _CELL_KERNELS, _NEVER, ANY_SOURCE
 
 __all__ = ["P2PEngine", "Request", "ANY_SOURCE", "ensure_kernels", "ensure_progress_wait"]
@@ -222,7 +222,7 @@ class P2PEngine:
         self._failed = None
         self._closed = False  # close() began: posts are refused, abort does nothing
         self.on_fatal = None  # Group hooks this to poison itself
-        self._loop = ProgressLoop(self, self._state[rank], 0 if oversubscribed else SPINS,
+        self._loop = ProgressLoop(self, self._state[rank], 0 if oversubscribed else SPIN_NS,
                                   ready, f"shmcoll-p2p-{name or 'group'}-r{rank}")
         self._loop.start()
 

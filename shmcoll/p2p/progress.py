@@ -17,7 +17,13 @@ from . import compiled
 from ..errors import GroupAbortedError, PeerLostError, ShmcollError
 from ..protocol import SLEEP_MAX_S, SLEEP_MIN_S, STATE_LIVE, YIELD_NS
 
-__all__ = ["ProgressLoop", "IDLE_SLEEP_MAX_S"]
+__all__ = ["ProgressLoop", "IDLE_SLEEP_MAX_S", "SPIN_NS"]
+
+# The first wait after activity pause-polls this long before its yield tier: short, unlike
+# the collectives' (protocol.SPIN_NS), because this thread shares its process's cores with
+# the rank's own work (~200 pauses on the 2-core VM, what it spun before the tiers went by
+# time).
+SPIN_NS = 10_000
 
 # Nothing pending on this rank: polls slow down to this (a 1 kHz poll costs ~2-3 % of a
 # core in Python). Only a peer's message larger than the ring waits for it; posts wake
@@ -29,14 +35,14 @@ class ProgressLoop:
     """The progress thread of one p2p.P2PEngine (see the module docstring).
 
     `my_state`: the address of this rank's STATE word (an abort or close ends every wait);
-    `spins`: pause-spins of the first wait after activity (0 when oversubscribed);
+    `spin_ns`: pause-polling of the first wait after activity (0 when oversubscribed);
     `ready` (or None): ready(timeout_s) -> bool, what the thread waits for before it loads
     anything (new_shm_group: warmup.wait_ready; see P2PEngine)."""
 
-    def __init__(self, engine, my_state, spins, ready, name):
+    def __init__(self, engine, my_state, spin_ns, ready, name):
         self._engine = engine
         self._my_state = my_state
-        self._spins = spins
+        self._spin_ns = spin_ns
         self._ready = ready
         self._stopping = False
         self._wake = threading.Event()
@@ -102,7 +108,7 @@ class ProgressLoop:
         first = pending and sleep_s == SLEEP_MIN_S
         my_state = self._my_state
         wait_any_ge = compiled.atomics.wait_any_ge
-        r = wait_any_ge(addrs, targets, self._spins if first else 0, YIELD_NS if first else 0,
+        r = wait_any_ge(addrs, targets, self._spin_ns if first else 0, YIELD_NS if first else 0,
                         my_state)
         while r == -1 and not self._stopping:
             if self._wake.wait(sleep_s):

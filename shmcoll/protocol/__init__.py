@@ -168,7 +168,7 @@ from .waits import (  # noqa: F401  (re-exported: p2p.py, shm_group.py)
     SLEEP_MAX_S,
     SLEEP_MIN_S,
     SLOW_YIELD_NS,
-    SPINS,
+    SPIN_NS,
     YIELD_NS,
     PeerWatch,
 )
@@ -270,7 +270,7 @@ class Arena:
         self._watch = PeerWatch(rank, ctrl, self._peer_posted, self._posted_addrs,
                                 state_addrs, seq_addrs, self._pids, is_alive,
                                 describe or (lambda fp: repr(fp)))
-        self._spins = 0 if oversubscribed else SPINS
+        self._spin_ns = 0 if oversubscribed else SPIN_NS
         self._yield_ns = yield_ns  # the yield tier (a shorter one: shm_group.new_shm_group)
         # Ranks that are threads of one process: (address of their "Python turn" word, my
         # id in it); see _gil_leave. (0, 0): no turn-taking (ranks that are processes).
@@ -279,7 +279,7 @@ class Arena:
         # The constants of the one-step kernel (_one_step_kernel), one array so that
         # the compiled call takes few arguments (each costs ~50 ns of dispatch): my words'
         # addresses, wait tiers, GIL turn, rule-4 switch; and one row per kind of peer word.
-        self._cfg = np.array([rank, self._spins, yield_ns, self._posted_addr, self._state_addr,
+        self._cfg = np.array([rank, self._spin_ns, yield_ns, self._posted_addr, self._state_addr,
                               self._seq_addr, self._gil_addr, self._gil_me, 1,
                               self._fp_addrs[0], single_copy], np.int64)
         peer_pids = [self._pid_arr[p] for p in range(self.world_size) if p != rank]
@@ -411,7 +411,7 @@ class Arena:
         r = pk._exchange_kernel(src, byte_offset, nbytes, dst, fp_addr,
                                 fp[0], fp[1], fp[2], fp[3], fp[4], fp[5], fp[6], fp[7],
                                 self._seq_addr, self.frame.seq, self._posted_addr, step,
-                                self._peer_posted, peer_fp, self._peer_state, self._spins,
+                                self._peer_posted, peer_fp, self._peer_state, self._spin_ns,
                                 self._yield_ns, self._state_addr, self._verify, self._gil_addr,
                                 self._gil_me)
         clock.posted(step, i)
@@ -441,7 +441,7 @@ class Arena:
         if clock.known_min < target:
             pk = compiled.protocol_kernels
             jit.once(_EXCHANGE, pk._warm_exchange)
-            r = pk._wait_kernel(self._peer_posted, target, self._spins, self._yield_ns,
+            r = pk._wait_kernel(self._peer_posted, target, self._spin_ns, self._yield_ns,
                                 self._state_addr, self._gil_addr, self._gil_me)
             if r != -1:
                 self._watch.wait(target, r, self.frame)
@@ -606,7 +606,7 @@ class Arena:
             done, r = pk._two_shot_kernel(
                 buf, size, sub, p, dst, fp_addr, fp[0], fp[1], fp[2], fp[3], fp[4], fp[5],
                 fp[6], fp[7], self._seq_addr, self.frame.seq, self._posted_addr, step0,
-                self._peer_posted, peer_fp, self._peer_state, self._spins, self._yield_ns,
+                self._peer_posted, peer_fp, self._peer_state, self._spin_ns, self._yield_ns,
                 self._state_addr, self._verify, srcs, self.rank, fn, op, pre, post,
                 self._gil_addr, self._gil_me)
             if fp_addr:
@@ -653,9 +653,8 @@ class Arena:
                 mode, src, byte_offset, nbytes, sub, k, dst, fp_addr,
                 fp[0], fp[1], fp[2], fp[3], fp[4], fp[5], fp[6], fp[7],
                 self._seq_addr, self.frame.seq, self._posted_addr, step0, self._peer_posted,
-                peer_fp,
-                self._peer_state, self._spins, self._yield_ns, self._state_addr, self._verify, srcs,
-                self.rank, root, fn, op, pre, post, out, self._gil_addr, self._gil_me)
+                peer_fp, self._peer_state, self._spin_ns, self._yield_ns, self._state_addr,
+                self._verify, srcs, self.rank, root, fn, op, pre, post, out, self._gil_addr, self._gil_me)
             if fp_addr:
                 self.frame.written()
             if self._settle(step0, nsub, done, r, fp_addr):
@@ -687,7 +686,7 @@ class Arena:
             done, r = pk._a2a_stream_kernel(
                 ins, sends, outs, recvs, sub, nsub, k, dst, ring0, self._seq_addr,
                 self.frame.seq, self._posted_addr, step0, self._peer_posted, peer_fp,
-                self._peer_state, self._spins, self._yield_ns, self._state_addr, srcs,
+                self._peer_state, self._spin_ns, self._yield_ns, self._state_addr, srcs,
                 self.rank, self._gil_addr, self._gil_me, _NO_BYTES)
             if self._settle(step0, nsub, done, r, 0):
                 return

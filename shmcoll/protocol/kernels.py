@@ -18,7 +18,8 @@ import numpy as np
 
 from ..native import jit
 from ..native.atomics import add_release, cas_acq_rel, copy_bytes, cpu_pause, fence_seq_cst, \
-    futex_wait, futex_wake, load_acquire, monotonic_ns, sched_yield, store_release, wait_all_ge
+    futex_wait, futex_wake, load_acquire, monotonic_ns, OWNER_CPU_OFFSET, sched_getcpu, \
+    sched_yield, store_release, wait_all_ge
 from ..native.reducers import call_reduce, view_1d, view_2d
 from .layout import (  # noqa: F401  (the steps' numbers; also read here by tests)
     _CFG_FP0,
@@ -28,7 +29,7 @@ from .layout import (  # noqa: F401  (the steps' numbers; also read here by test
     _CFG_RANK,
     _CFG_SEQ,
     _CFG_SINGLE_COPY,
-    _CFG_SPINS,
+    _CFG_SPIN_NS,
     _CFG_STATE,
     _CFG_VERIFY,
     _CFG_YIELD_NS,
@@ -156,7 +157,10 @@ _A2A_RODE, _A2A_READ = 1, 2  # what _a2a_table finds
 def post_wake(posted_addr, step):
     """Rule 2 and the waker's half of rule 5's sleeper handshake: publish `step` in the
     POSTED word at `posted_addr`, then wake the peers asleep on it, if any (a full fence
-    first: acquire/release alone lets the SLEEPERS load pass the store)."""
+    first: acquire/release alone lets the SLEEPERS load pass the store). The CPU I post
+    from goes beside it first (its line's next word: wait_all_ge's OWNER_CPU_OFFSET), so a
+    peer that will wait for my next post knows whether I share its CPU."""
+    store_release(posted_addr + OWNER_CPU_OFFSET, sched_getcpu() + 1)
     store_release(posted_addr, step)
     fence_seq_cst()
     if load_acquire(posted_addr + _SLEEPERS_DELTA) != 0:
@@ -178,13 +182,13 @@ def sleep_on(posted_addr, target, timeout_ns):
 @jit.kernel(nogil=True)
 def _exchange_kernel(src, byte_offset, nbytes, dst, fp_addr, f0, f1, f2, f3, f4, f5, f6, f7,
                      seq_addr, seq, posted_addr, step, peer_posted, peer_fp, peer_state,
-                     spins, yield_ns, abort_addr, verify, gil_addr, gil_me):
+                     spin_ns, yield_ns, abort_addr, verify, gil_addr, gil_me):
     """Arena.exchange's compiled body: _exchange_steps between _gil_enter / _gil_leave."""
     _gil_enter(gil_addr, gil_me)
     r = _exchange_steps(src, byte_offset, nbytes, dst, fp_addr, f0, f1, f2, f3, f4, f5, f6, f7,
                         seq_addr, seq, posted_addr, step, peer_posted, peer_fp, peer_state,
-                        spins, yield_ns, abort_addr, verify)
-    _gil_leave(gil_addr, gil_me, r, spins)
+                        spin_ns, yield_ns, abort_addr, verify)
+    _gil_leave(gil_addr, gil_me, r, spin_ns)
     return r
 
 
@@ -196,7 +200,7 @@ def _one_step_kernel(mode, src, out, cfg, peer_tab, srcs, plan, pre, post, seq, 
     plan[7], op plan[6]), or _a2a_read for an all_to_all whose messages are read where
     they are (plan[A2A_PLAN_SLOT] 0). Returns _exchange_steps' code, or theirs."""
     rank = cfg[_CFG_RANK]
-    spins = cfg[_CFG_SPINS]
+    spin_ns = cfg[_CFG_SPIN_NS]
     _gil_enter(cfg[_CFG_GIL], cfg[_CFG_GIL_ME])
     k = seq % FP_RING
     nbytes = src.nbytes if root < 0 or root == rank else 0
@@ -217,7 +221,7 @@ def _one_step_kernel(mode, src, out, cfg, peer_tab, srcs, plan, pre, post, seq, 
     r = _exchange_steps(src, _ZERO, nbytes, dst, cfg[_CFG_FP0] + k * LINE_NBYTES,
                         seq, step - 1, plan[0], plan[1], plan[2], plan[3], plan[4], plan[5],
                         cfg[_CFG_SEQ], seq, cfg[_CFG_POSTED], step, peer_tab[_PEER_POSTED],
-                        peer_tab[_PEER_FP0 + k], peer_tab[_PEER_STATE], spins,
+                        peer_tab[_PEER_FP0 + k], peer_tab[_PEER_STATE], spin_ns,
                         cfg[_CFG_YIELD_NS], cfg[_CFG_STATE], cfg[_CFG_VERIFY] != 0)
     if r == -1:
         if reads:
@@ -225,7 +229,7 @@ def _one_step_kernel(mode, src, out, cfg, peer_tab, srcs, plan, pre, post, seq, 
                           peer_tab[_PEER_PID])
         else:
             r = _one_step_consume(mode, src, out, srcs, rank, root, plan, pre, post)
-    _gil_leave(cfg[_CFG_GIL], cfg[_CFG_GIL_ME], r, spins)
+    _gil_leave(cfg[_CFG_GIL], cfg[_CFG_GIL_ME], r, spin_ns)
     return r
 
 
@@ -365,12 +369,12 @@ def _one_step_consume(mode, src, out, srcs, rank, root, plan, pre, post):
 
 
 @jit.kernel(nogil=True)
-def _wait_kernel(peer_posted, target, spins, yield_ns, abort_addr, gil_addr, gil_me):
+def _wait_kernel(peer_posted, target, spin_ns, yield_ns, abort_addr, gil_addr, gil_me):
     """Arena.wait_all's compiled wait: atomics.wait_all_ge between _gil_enter / _gil_leave
     (rank threads then take the Python turn on the way out, as after an exchange)."""
     _gil_enter(gil_addr, gil_me)
-    r = wait_all_ge(peer_posted, target, spins, yield_ns, abort_addr)
-    _gil_leave(gil_addr, gil_me, r, spins)
+    r = wait_all_ge(peer_posted, target, spin_ns, yield_ns, abort_addr)
+    _gil_leave(gil_addr, gil_me, r, spin_ns)
     return r
 
 
@@ -383,7 +387,7 @@ def _gil_enter(turn_addr, me):
 
 
 @jit.kernel(nogil=True)
-def _gil_leave(turn_addr, me, r, spins):
+def _gil_leave(turn_addr, me, r, spin_ns):
     """Rank threads only, before returning to Python (which takes the GIL back).
 
     Ranks that are threads of one process run their Python one at a time under the GIL.
@@ -407,9 +411,9 @@ def _gil_leave(turn_addr, me, r, spins):
         if v == me or (v == 0 and cas_acq_rel(turn_addr, 0, me)):
             return
         polls += 1
-        if (spins == 0 or polls % 64 == 0) and monotonic_ns() >= until:
+        if (spin_ns == 0 or polls % 64 == 0) and monotonic_ns() >= until:
             return
-        if spins:
+        if spin_ns:
             cpu_pause()
         else:
             sched_yield()
@@ -418,12 +422,13 @@ def _gil_leave(turn_addr, me, r, spins):
 @jit.kernel(nogil=True)
 def _exchange_steps(src, byte_offset, nbytes, dst, fp_addr, f0, f1, f2, f3, f4, f5, f6, f7,
                     seq_addr, seq, posted_addr, step, peer_posted, peer_fp, peer_state,
-                    spins, yield_ns, abort_addr, verify):
+                    spin_ns, yield_ns, abort_addr, verify):
     """Copy-in and rules 1-4, nothing else.
 
     Returns -1 when every peer posted `step` (and, with fp_addr != 0 and `verify`, every
     fingerprint matched and no peer is ABORTED); -3 on a fingerprint mismatch, -4 on an
-    aborted peer; else wait_all_ge's code (a peer still missing after the fast tiers, or -2: aborted).
+    aborted peer; else wait_all_ge's code (a peer still missing after the fast tiers, or -2:
+    aborted).
     """
     if nbytes > 0:
         copy_bytes(dst, src.ctypes.data + byte_offset, nbytes)
@@ -438,7 +443,7 @@ def _exchange_steps(src, byte_offset, nbytes, dst, fp_addr, f0, f1, f2, f3, f4, 
         store_release(fp_addr + 56, f7)
         store_release(seq_addr, seq)
     post_wake(posted_addr, step)  # rule 2
-    r = wait_all_ge(peer_posted, step, spins, yield_ns, abort_addr)  # rule 3
+    r = wait_all_ge(peer_posted, step, spin_ns, yield_ns, abort_addr)  # rule 3
     if r != -1 or fp_addr == 0 or not verify:
         return r
     for k in range(peer_fp.shape[0]):  # rule 4
@@ -457,7 +462,7 @@ def _exchange_steps(src, byte_offset, nbytes, dst, fp_addr, f0, f1, f2, f3, f4, 
 @jit.kernel(nogil=True)
 def _stream_kernel(mode, src, byte_offset, nbytes, sub, k0, dst, fp_addr, f0, f1, f2, f3, f4,
                    f5, f6, f7, seq_addr, seq, posted_addr, step0, peer_posted, peer_fp,
-                   peer_state, spins, yield_ns, abort_addr, verify, srcs, rank, root, fn, op,
+                   peer_state, spin_ns, yield_ns, abort_addr, verify, srcs, rank, root, fn, op,
                    pre, post, out, gil_addr, gil_me):
     """Arena._stream's body from sub-chunk k0 on: for each sub-chunk k, the
     _exchange_kernel steps (posting step0 + k + 1; the fingerprint with sub-chunk 0; a
@@ -474,20 +479,20 @@ def _stream_kernel(mode, src, byte_offset, nbytes, sub, k0, dst, fp_addr, f0, f1
                             0 if mode == STREAM_BROADCAST and rank != root else m,
                             dst + ring, fp_addr if k == 0 else 0,
                             f0, f1, f2, f3, f4, f5, f6, f7, seq_addr, seq, posted_addr,
-                            step0 + k + 1, peer_posted, peer_fp, peer_state, spins, yield_ns,
+                            step0 + k + 1, peer_posted, peer_fp, peer_state, spin_ns, yield_ns,
                             abort_addr, verify)
         if r != -1:
-            _gil_leave(gil_addr, gil_me, r, spins)
+            _gil_leave(gil_addr, gil_me, r, spin_ns)
             return k, r
         _consume(mode, src, byte_offset + off, m, srcs, ring, rank, root, fn, op, pre, post, out,
                  off, nbytes)
-    _gil_leave(gil_addr, gil_me, _DONE, spins)
+    _gil_leave(gil_addr, gil_me, _DONE, spin_ns)
     return nsub, -1
 
 
 @jit.kernel(nogil=True)
 def _a2a_stream_kernel(ins, sends, outs, recvs, sub, nsub, k0, dst, ring0, seq_addr, seq,
-                       posted_addr, step0, peer_posted, peer_fp, peer_state, spins, yield_ns,
+                       posted_addr, step0, peer_posted, peer_fp, peer_state, spin_ns, yield_ns,
                        abort_addr, srcs, rank, gil_addr, gil_me, nothing):
     """Arena.exchange_all_to_all's body from step k0 on: for each step k, bytes
     [k * sub, (k + 1) * sub) of my piece to every peer d (at address ins[d], sends[d] bytes
@@ -505,13 +510,13 @@ def _a2a_stream_kernel(ins, sends, outs, recvs, sub, nsub, k0, dst, ring0, seq_a
                 copy_bytes(ring + d * sub, ins[d] + off, m)
         r = _exchange_steps(nothing, _ZERO, _ZERO, ring, _ZERO, _ZERO, _ZERO, _ZERO, _ZERO,
                             _ZERO, _ZERO, _ZERO, _ZERO, seq_addr, seq, posted_addr,
-                            step0 + k + 1, peer_posted, peer_fp, peer_state, spins, yield_ns,
+                            step0 + k + 1, peer_posted, peer_fp, peer_state, spin_ns, yield_ns,
                             abort_addr, False)
         if r != -1:
-            _gil_leave(gil_addr, gil_me, r, spins)
+            _gil_leave(gil_addr, gil_me, r, spin_ns)
             return k, r
         _a2a_stream_consume(k, ins, outs, recvs, sub, srcs, ring0, rank)
-    _gil_leave(gil_addr, gil_me, _DONE, spins)
+    _gil_leave(gil_addr, gil_me, _DONE, spin_ns)
     return nsub, -1
 
 
@@ -537,7 +542,7 @@ def _a2a_stream_consume(k, ins, outs, recvs, sub, srcs, ring0, rank):
 @jit.kernel(nogil=True)
 def _two_shot_kernel(buf, size, sub, p0, dst, fp_addr, f0, f1, f2, f3, f4, f5, f6, f7,
                      seq_addr, seq, posted_addr, step0, peer_posted, peer_fp, peer_state,
-                     spins, yield_ns, abort_addr, verify, srcs, rank, fn, op, pre, post,
+                     spin_ns, yield_ns, abort_addr, verify, srcs, rank, fn, op, pre, post,
                      gil_addr, gil_me):
     """Arena.exchange_reduce_two_shot's body from step p0 on: step 2k copies sub-chunk k
     into its sub-slot (with the fingerprint at step 0), step 2k + 1 only posts; each step
@@ -552,13 +557,13 @@ def _two_shot_kernel(buf, size, sub, p0, dst, fp_addr, f0, f1, f2, f3, f4, f5, f
         m = min(sub, nbytes - off) if p % 2 == 0 else 0
         r = _exchange_steps(buf, off, m, dst + k % STREAM_RING * sub, fp_addr if p == 0 else 0,
                             f0, f1, f2, f3, f4, f5, f6, f7, seq_addr, seq, posted_addr,
-                            step0 + p + 1, peer_posted, peer_fp, peer_state, spins, yield_ns,
+                            step0 + p + 1, peer_posted, peer_fp, peer_state, spin_ns, yield_ns,
                             abort_addr, verify)
         if r != -1:
-            _gil_leave(gil_addr, gil_me, r, spins)
+            _gil_leave(gil_addr, gil_me, r, spin_ns)
             return p, r
         _two_shot_consume(p, buf, size, sub, srcs, rank, fn, op, pre, post)
-    _gil_leave(gil_addr, gil_me, _DONE, spins)
+    _gil_leave(gil_addr, gil_me, _DONE, spin_ns)
     return nphase, -1
 
 

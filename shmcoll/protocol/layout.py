@@ -76,7 +76,7 @@ def a2a_head_nbytes(world):
 
 
 # Words of Arena._cfg (the one-step kernel's constants) and rows of Arena._peer_tab.
-(_CFG_RANK, _CFG_SPINS, _CFG_YIELD_NS, _CFG_POSTED, _CFG_STATE, _CFG_SEQ, _CFG_GIL,
+(_CFG_RANK, _CFG_SPIN_NS, _CFG_YIELD_NS, _CFG_POSTED, _CFG_STATE, _CFG_SEQ, _CFG_GIL,
  _CFG_GIL_ME, _CFG_VERIFY, _CFG_FP0, _CFG_SINGLE_COPY) = range(11)
 # Rows of Arena._peer_tab (a column per peer, in rank order): their POSTED and STATE
 # words, FP_RING fingerprint lines, then their pids.

@@ -28,13 +28,13 @@ from .layout import _EXCHANGE, FP_LINE0, FP_RING, LINE_WORDS, STATE_ABORTED, \
 from ..native.single_copy import errno_text
 
 # Wait tiers (see DESIGN_NOTES §14), all inside the compiled wait (atomics.wait_all_ge):
-# SPINS pause-polls (~10 us): brief, because on a VM a long PAUSE loop can trigger
-# pause-loop exits that deschedule the vCPU, and on a loaded host a spinning rank steals the
-# core its late peer needs; then sched_yield polls for YIELD_NS, so a peer a few hundred us
-# late (GC, a page fault, a descheduled core, a peer thread's Python) is seen at once while
-# the core still goes to whoever needs it when ranks outnumber cores. The yield tier is
-# bounded by time, not by a count: sched_yield takes from under 1 us (idle core) to a whole
-# time slice (loaded host). Only then does Python take over (_wait_slow): sleeps with
+# pause-polls for SPIN_NS, unless the awaited peer last posted from this CPU (it cannot run
+# until I let go of it: atomics.OWNER_CPU_OFFSET), and never when ranks outnumber cores;
+# then sched_yield polls for YIELD_NS, so a peer a few hundred us late (GC, a page fault, a
+# descheduled core, a peer thread's Python) is seen at once while the core still goes to
+# whoever needs it when ranks outnumber cores. Both tiers are bounded by time, not by a
+# count: a pause takes 3-50 ns by CPU model, sched_yield from under 1 us (idle core) to a
+# whole time slice (loaded host). Only then does Python take over (_wait_slow): sleeps with
 # backoff, checking deadline, abort and peer liveness in between; each sleep is a futex
 # wait that the awaited peer's post (or any STATE change) ends at once (rule 5), from
 # FUTEX_SLEEP_MIN_S doubling to FUTEX_SLEEP_MAX_S, or, without futexes, a plain sleep from
@@ -42,7 +42,15 @@ from ..native.single_copy import errno_text
 # the whole yield tier matters most for rank threads (threaded_pg): a waiting thread back
 # in Python takes the GIL from the very peer it waits for (measured: one Python slow wait
 # per collective made 2-thread dist.all_reduce ~5x slower).
-SPINS = 200
+# Why spin that long (it was ~10 us, 200 pauses): on a host with other busy processes a
+# yield hands the core to one of them, and the rank gets it back at the scheduler's next
+# tick or slice end (4 ms ticks on the VM: HZ=250), long after its peer posted. 2 ranks,
+# 64 KiB all_reduce, engine level, medians of 1000 calls with 1-2 busy Python loops beside
+# them on the 2-core VM: 52-115 us yielding after 10 us; 10-23 us spinning 0.2-0.5 ms; idle,
+# no difference (10-37 us either way, the pair's speed state: docs/notes/2026-11-29-...).
+# Spinning without the CPU check paid its whole budget on every wait whenever the
+# scheduler put both ranks on one core (p90 0.5-1.2 ms; 2 ms budgets: 2 ms medians).
+SPIN_NS = 200_000
 YIELD_NS = 2_000_000
 SLOW_YIELD_NS = 100_000
 SLEEP_MIN_S = 20e-6
