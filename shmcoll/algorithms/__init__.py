@@ -27,16 +27,26 @@ __all__ = ["select", "one_step_mode", "all_to_all_finish", "all_to_all_read", "r
 
 # all_reduce one-shot vs two-shot cut-over, by world size. One-shot reads N*S per rank and
 # needs one wait per sub-chunk; two-shot reads ~2*S but needs two waits (both run as one
-# compiled call per collective). At N=2 the byte counts are equal, so one-shot always wins;
-# at 3 they are close (measured equal within noise up to 1 MiB); above, two-shot wins once
-# the N*S reads dominate. Measured engine level, processes, one run, us (one / two-shot):
-# 4 ranks 4K 28/40, 16K 36/60, 32K 56/37, 64K 96/47, 1M 960/630; 6 ranks 16K 135/128,
-# 64K 238/185; 8 ranks 4K 149/166, 8K 144/161, 16K 239/189, 64K 312/174, 1M 2610/1242.
-ONE_SHOT_MAX_NBYTES = {2: 1 << 62, 3: 256 << 10, 4: 16 << 10}
-ONE_SHOT_MAX_NBYTES_DEFAULT = 8 << 10
+# compiled call per collective; through dist.* only one-shot takes the compiled lane). At
+# N=2 the byte counts are equal, so one-shot always wins. Above, two-shot wins once the N*S
+# reads cost more than a wait. Measured on the 2-core VM (every world size from 3 is more
+# ranks than cores: each wait hands a core over), idle, numpy buffers, engine level
+# (Group.all_reduce), 2026-11-29 with the one-step and streamed kernels, medians of
+# 200-2000 calls, two alternated runs, us (one / two-shot): 3 ranks 512K 165-194 /
+# 401-425, 1M 326-664 / 750-777; 4 ranks 64K 52-70 / 84-126, 128K 111-173 / 104-165,
+# 256K 209-261 / 266-410, 512K 214-215 / 480-505, 1M 516-1204 / 926-977, 2M 1022-1190 /
+# 1047-1329; 8 ranks 16K 185-255 / 222-330, 64K 292-357 / 335-356, 256K 504-560 /
+# 757-888, 1M 1928-2109 / 2300-2446. Through dist.* (lane on, 4 ranks, 12 rounds each):
+# 32K 100 / 188, 64K 128 / 194, 128K 161 / 226, 256K 296 / 280 (medians); 1M about even.
+# (The table before this, measured on older kernels, cut over at 16 KiB for 4 ranks and
+# 8 KiB from 5.) From 5 ranks the 4-rank limit: a limit never grows with the world size
+# (N*S reads), though 8 ranks won at 1M too. Not measured: 3+ ranks with a core each,
+# where two-shot's fewer bytes may win sooner.
+ONE_SHOT_MAX_NBYTES = {2: 1 << 62, 3: 1 << 20, 4: 512 << 10}
+ONE_SHOT_MAX_NBYTES_DEFAULT = 512 << 10
 # Rank threads of one process (threaded_pg) take turns on the GIL around every wait, and
-# one-shot of one sub-chunk is one compiled call with one wait (Arena.one_step), so it
-# wins further up. Measured through dist.* (benchmarks.threaded_bench, two runs, one-shot
+# one-shot of one sub-chunk is one compiled call with one wait (Arena.one_step); their
+# table is their own (not re-measured with the processes' above). Measured through dist.* (benchmarks.threaded_bench, two runs, one-shot
 # vs two-shot, us): 4 ranks 8K 100/113 vs 161/199, 32K 111/110 vs 175/206, 64K 147/122
 # vs 193/212, 256K 335/273 vs 296/309, 1M 1049/1013 vs 861/816; 8 ranks 8K 334/257 vs
 # 556/234, 32K 329/244 vs 562/314, 64K 401/268 vs 629/282, 256K 943/967 vs 858/730.
