@@ -305,15 +305,15 @@ def wait_all_ge(addrs, target, spin_ns, yield_ns, abort_addr):
                 cpu_pause()
                 continue
             now = monotonic_ns()
-            if now < until and load_acquire(addrs[k] + OWNER_CPU_OFFSET) != me:
+            if now < until and (me == 0 or load_acquire(addrs[k] + OWNER_CPU_OFFSET) != me):
                 cpu_pause()
                 continue
             tier = 2
             until = now + yield_ns
         elif tier == 0:
             now = monotonic_ns()
-            me = sched_getcpu() + 1
-            if spin_ns > 0 and load_acquire(addrs[k] + OWNER_CPU_OFFSET) != me:
+            me = sched_getcpu() + 1  # 0: this thread's CPU is unknown, never a match
+            if spin_ns > 0 and (me == 0 or load_acquire(addrs[k] + OWNER_CPU_OFFSET) != me):
                 tier = 1
                 until = now + spin_ns
                 cpu_pause()
