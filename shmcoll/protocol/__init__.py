@@ -19,6 +19,8 @@ ranks' writers never share a cache line, nor do adjacent-line prefetches pair th
     4096   +-------------------------------------------------------------+
            | control block: CTRL_LINES lines x 128 B, one i64 per line    |
            |   line 0  POSTED  monotonic step counter (only owner writes) |
+           |           and, in its next word, 1 + the CPU it last posted  |
+           |           from (the waiters' spin tier: atomics.wait_all_ge) |
            |   line 1  STATE   0 = live, 1 = aborted, 2 = closed          |
            |   line 2  SEQ     seq of the collective the owner is in      |
            |   line 3  BUF     address, nbytes of the owner's user buffer |
