@@ -68,16 +68,23 @@ def test_wait_all_ge_yield_tier_lasts_its_time_budget():
     assert 0.02 <= elapsed < 2.0
 
 
+@contextlib.contextmanager
+def _later(w, index, value, delay_s=0.01):
+    """w[index] = value from another thread, `delay_s` into the block."""
+    timer = threading.Timer(delay_s, lambda: w.__setitem__(index, value))
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.join()
+
+
 def test_wait_all_ge_sees_a_late_post_and_the_abort_word():
     w, addrs, abort = _words(1)
-    timer = threading.Timer(0.01, lambda: w.__setitem__(0, 3))
-    timer.start()
-    assert wait_all_ge(addrs, 3, 100, 5_000_000_000, abort) == -1
-    timer.join()
-    timer = threading.Timer(0.01, lambda: w.__setitem__(1, 1))
-    timer.start()
-    assert wait_all_ge(addrs, 4, 100, 5_000_000_000, abort) == -2
-    timer.join()
+    with _later(w, 0, 3):
+        assert wait_all_ge(addrs, 3, 100, 5_000_000_000, abort) == -1
+    with _later(w, 1, 1):
+        assert wait_all_ge(addrs, 4, 100, 5_000_000_000, abort) == -2
 
 
 def test_wait_any_ge_budget():
@@ -135,17 +142,13 @@ def test_spin_tier_lasts_its_budget_unless_the_peer_last_posted_from_my_cpu():
             took.append(time.perf_counter() - t0)
         assert min(took) < 1.0, took  # not the 5 s budget
         w[1] = cpu + 2  # it moves onto my CPU while I spin: the spin ends there
-        timer = threading.Timer(0.02, lambda: w.__setitem__(1, cpu + 1))
-        timer.start()
         t0 = time.perf_counter()
-        assert wait_all_ge(addrs, 1, 5_000_000_000, 0, abort) == 0
+        with _later(w, 1, cpu + 1, 0.02):
+            assert wait_all_ge(addrs, 1, 5_000_000_000, 0, abort) == 0
         assert time.perf_counter() - t0 < 2.5
-        timer.join()
         w[1] = cpu + 2  # ... and a post during the spin is seen
-        timer = threading.Timer(0.02, lambda: w.__setitem__(0, 1))
-        timer.start()
-        assert wait_all_ge(addrs, 1, 5_000_000_000, 0, abort) == -1
-        timer.join()
+        with _later(w, 0, 1, 0.02):
+            assert wait_all_ge(addrs, 1, 5_000_000_000, 0, abort) == -1
 
 
 def test_wait_any_ge_spin_budget():
