@@ -1,6 +1,6 @@
 """The compiled wait tiers (atomics.wait_all_ge / wait_any_ge: spin and yield tiers bounded
-by time, no spin for a peer last seen on my CPU)
-and the rank threads' Python turn (protocol_kernels._gil_enter / _gil_leave, threaded_pg RankStates).
+by time, no spin for a peer last seen on my CPU) and the rank threads' Python turn
+(protocol_kernels._gil_enter / _gil_leave, threaded_pg RankStates).
 
 These are the pieces whose failure would not show as a wrong result, only as a hang or a
 slow group: a yield tier that never ends, a turn that is never given back.

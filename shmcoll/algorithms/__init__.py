@@ -46,10 +46,11 @@ ONE_SHOT_MAX_NBYTES = {2: 1 << 62, 3: 1 << 20, 4: 512 << 10}
 ONE_SHOT_MAX_NBYTES_DEFAULT = 512 << 10
 # Rank threads of one process (threaded_pg) take turns on the GIL around every wait, and
 # one-shot of one sub-chunk is one compiled call with one wait (Arena.one_step); their
-# table is their own (not re-measured with the processes' above). Measured through dist.* (benchmarks.threaded_bench, two runs, one-shot
-# vs two-shot, us): 4 ranks 8K 100/113 vs 161/199, 32K 111/110 vs 175/206, 64K 147/122
-# vs 193/212, 256K 335/273 vs 296/309, 1M 1049/1013 vs 861/816; 8 ranks 8K 334/257 vs
-# 556/234, 32K 329/244 vs 562/314, 64K 401/268 vs 629/282, 256K 943/967 vs 858/730.
+# table is their own (not re-measured with the processes' above). Measured through dist.*
+# (benchmarks.threaded_bench, two runs, one-shot vs two-shot, us): 4 ranks 8K 100/113 vs
+# 161/199, 32K 111/110 vs 175/206, 64K 147/122 vs 193/212, 256K 335/273 vs 296/309, 1M
+# 1049/1013 vs 861/816; 8 ranks 8K 334/257 vs 556/234, 32K 329/244 vs 562/314, 64K
+# 401/268 vs 629/282, 256K 943/967 vs 858/730.
 ONE_SHOT_MAX_NBYTES_THREADS = {2: 1 << 62, 3: 256 << 10}
 ONE_SHOT_MAX_NBYTES_THREADS_DEFAULT = 64 << 10
 

@@ -747,9 +747,8 @@ class Group:
             sizes = [array.nbytes // n] * n
             ride = algorithms.rides(self._arena, sizes)
             plan.reads = algorithms.reads_one_step(plan.algo, n, self._arena.single_copy, ride)
-            plan.words = np.array(plan.head[:-1] + [0 if plan.reads else
-                                                    self._arena.slot_nbytes] + sizes + sizes,
-                                  np.int64)
+            head = plan.head[:-1] + [0] if plan.reads else plan.head  # slot bytes 0: reads
+            plan.words = np.array(head + sizes + sizes, np.int64)
             plan.mode = ONE_STEP_ALL_TO_ALL if plan.reads or ride else None
         else:
             plan.reads = False

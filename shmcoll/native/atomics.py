@@ -199,31 +199,26 @@ def cpu_pause(typingctx):
     return sig, codegen
 
 
-@intrinsic
-def sched_yield(typingctx):
-    """Call libc sched_yield() (declared as an external symbol so the function stays cacheable)."""
-    sig = types.int32()
+def _libc_int32(symbol, doc):
+    """An intrinsic calling libc's `int symbol(void)`, declared as an external symbol so
+    that the functions calling it stay cacheable."""
+    def call(typingctx):
+        def codegen(context, builder, signature, args):
+            fn = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.IntType(32), []), symbol)
+            return builder.call(fn, [])
 
-    def codegen(context, builder, signature, args):
-        fnty = ir.FunctionType(ir.IntType(32), [])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "sched_yield")
-        return builder.call(fn, [])
+        return types.int32(), codegen
 
-    return sig, codegen
+    call.__name__ = call.__qualname__ = symbol
+    call.__doc__ = doc
+    return intrinsic(call)
 
 
-@intrinsic
-def sched_getcpu(typingctx):
-    """Call libc sched_getcpu(): the CPU this thread runs on now (glibc reads it from rseq
-    or the vDSO: a few ns), -1 where it cannot tell."""
-    sig = types.int32()
-
-    def codegen(context, builder, signature, args):
-        fnty = ir.FunctionType(ir.IntType(32), [])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "sched_getcpu")
-        return builder.call(fn, [])
-
-    return sig, codegen
+sched_yield = _libc_int32("sched_yield", "libc sched_yield(): give up the CPU.")
+sched_getcpu = _libc_int32(
+    "sched_getcpu", "libc sched_getcpu(): the CPU this thread runs on now (glibc reads it "
+    "from rseq or the vDSO: a few ns), -1 where it cannot tell.")
 
 
 @intrinsic

@@ -656,7 +656,8 @@ class Arena:
                 fp[0], fp[1], fp[2], fp[3], fp[4], fp[5], fp[6], fp[7],
                 self._seq_addr, self.frame.seq, self._posted_addr, step0, self._peer_posted,
                 peer_fp, self._peer_state, self._spin_ns, self._yield_ns, self._state_addr,
-                self._verify, srcs, self.rank, root, fn, op, pre, post, out, self._gil_addr, self._gil_me)
+                self._verify, srcs, self.rank, root, fn, op, pre, post, out, self._gil_addr,
+                self._gil_me)
             if fp_addr:
                 self.frame.written()
             if self._settle(step0, nsub, done, r, fp_addr):

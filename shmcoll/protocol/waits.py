@@ -47,7 +47,8 @@ from ..native.single_copy import errno_text
 # tick or slice end (4 ms ticks on the VM: HZ=250), long after its peer posted. 2 ranks,
 # 64 KiB all_reduce, engine level, medians of 1000 calls with 1-2 busy Python loops beside
 # them on the 2-core VM: 52-115 us yielding after 10 us; 10-23 us spinning 0.2-0.5 ms; idle,
-# no difference (10-37 us either way, the pair's speed state: docs/notes/2026-11-29-...).
+# no difference (10-37 us either way, the pair's speed state:
+# docs/notes/2026-11-29-busy-host-waits.md).
 # Spinning without the CPU check paid its whole budget on every wait whenever the
 # scheduler put both ranks on one core (p90 0.5-1.2 ms; 2 ms budgets: 2 ms medians).
 SPIN_NS = 200_000
