@@ -41,6 +41,7 @@ class RankThreadExecutor(Executor):
     thread sees the creating rank's torch world and rank binding (world.follow).
     """
 
+    DOORBELL = False  # this scheme instead of the Executor's doorbell
     POLL_S = 2e-3  # an async op nobody waits on starts at most this late
     IDLE_S = 0.05  # no submission for this long: stop polling
 

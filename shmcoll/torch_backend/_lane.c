@@ -15,14 +15,25 @@ exactly as on the Python path. The one state the lane writes itself is the proce
 group's sequence number, which fast.py's latency path writes too (the lane is that path,
 compiled).
 
-No numpy and no torch headers: tensors are read through their Python attributes. */
+No numpy and no torch headers: tensors are read through their Python attributes.
+
+The module also holds the executor's doorbell (bell_ring, bell_taken, bell_wait; the
+section at the end, doorbell.py says what for): how a submission wakes a group's worker
+thread without the GIL. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <datetime.h>
 #include <stddef.h>
+#include <limits.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <time.h>
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 /* protocol.kernels.one_step_entry: addresses as int64 */
 typedef int64_t (*one_step_fn)(int64_t mode, int64_t src, int64_t src_n, int64_t out,
@@ -791,9 +802,180 @@ static PyTypeObject LaneType = {
     .tp_weaklistoffset = offsetof(Lane, weakrefs),
 };
 
+/* ---- The executor's doorbell (doorbell.py) ---------------------------------------------
+The int32 words a Doorbell owns: SUBMITTED and TAKEN, the executor's jobs queued and taken
+off its queue (counts); TOKENS, rings for one worker not yet taken by one (a condition's
+notify()); ALL, bumped by a ring for every worker (notify_all()); SEQ, the futex word a
+worker sleeps on, bumped by every ring that must wake one; PARKED and WAITERS, the
+threads inside bell_wait that sleep without a deadline, and all of them. The executor
+rings and takes holding its condition's lock; bell_wait sleeps with the GIL released and
+returns only for something to do: a token it took, a changed ALL, or a job that was
+already queued at the previous tick (every poll_ns) and still is -- one its submitter
+took meanwhile (it waited for its Work) never makes the worker take the GIL. Submitting
+wakes no thread unless the worker is parked: after idle_ns without a submission it sleeps
+until woken. */
+
+enum { BELL_SEQ, BELL_SUBMITTED, BELL_TAKEN, BELL_TOKENS, BELL_ALL, BELL_PARKED,
+       BELL_WAITERS, BELL_WORDS };
+enum { RING_JOB, RING_ONE, RING_ALL };  /* bell_ring's kinds */
+
+static int64_t mono_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
+static _Atomic int32_t *bell_words(PyObject *address) {
+    long long a = PyLong_AsLongLong(address);
+    if (a == -1 && PyErr_Occurred()) return NULL;
+    if (a == 0 || a % (long long)sizeof(int32_t) != 0) {
+        PyErr_SetString(PyExc_ValueError, "doorbell: not the address of its words");
+        return NULL;
+    }
+    return (_Atomic int32_t *)(intptr_t)a;
+}
+
+static void bell_sleep(_Atomic int32_t *seq, int32_t seen, int64_t ns) {
+    /* until SEQ moves past `seen`, or ns (< 0: no limit) have passed (or spuriously) */
+#ifdef __linux__
+    struct timespec t = {(time_t)(ns / 1000000000LL), (long)(ns % 1000000000LL)};
+    syscall(SYS_futex, (int32_t *)seq, FUTEX_WAIT_PRIVATE, seen, ns < 0 ? NULL : &t, NULL, 0);
+#else
+    struct timespec t = {0, ns < 0 || ns > 1000000 ? 1000000 : (long)ns};  /* polls each ms */
+    (void)seq, (void)seen;
+    nanosleep(&t, NULL);
+#endif
+}
+
+static void bell_wake(_Atomic int32_t *w, int n) {
+    atomic_fetch_add(&w[BELL_SEQ], 1);
+#ifdef __linux__
+    syscall(SYS_futex, (int32_t *)&w[BELL_SEQ], FUTEX_WAKE_PRIVATE, n, NULL, NULL, 0);
+#else
+    (void)n;
+#endif
+}
+
+static PyObject *bell_ring(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    /* bell_ring(address, kind): RING_JOB, a job was queued (wakes a parked worker only);
+       RING_ONE, one worker is needed now; RING_ALL, every worker is. */
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "bell_ring(address, kind)");
+        return NULL;
+    }
+    _Atomic int32_t *w = bell_words(args[0]);
+    long kind = PyLong_AsLong(args[1]);
+    if (w == NULL || (kind == -1 && PyErr_Occurred())) return NULL;
+    if (kind == RING_JOB) {
+        atomic_fetch_add(&w[BELL_SUBMITTED], 1);  /* then PARKED: see bell_wait's park */
+        if (atomic_load(&w[BELL_PARKED]) > 0) bell_wake(w, 1);
+    } else if (kind == RING_ONE) {
+        atomic_fetch_add(&w[BELL_TOKENS], 1);
+        if (atomic_load(&w[BELL_WAITERS]) > 0) bell_wake(w, 1);
+    } else if (kind == RING_ALL) {
+        atomic_fetch_add(&w[BELL_ALL], 1);
+        if (atomic_load(&w[BELL_WAITERS]) > 0) bell_wake(w, INT_MAX);
+    } else {
+        PyErr_SetString(PyExc_ValueError, "bell_ring: an unknown kind");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static int bell_take_token(_Atomic int32_t *w) {
+    int32_t t = atomic_load(&w[BELL_TOKENS]);
+    while (t > 0)
+        if (atomic_compare_exchange_weak(&w[BELL_TOKENS], &t, t - 1)) return 1;
+    return 0;
+}
+
+static PyObject *bell_taken(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    /* bell_taken(address, n): n queued jobs left the queue (to run, or to fail). */
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "bell_taken(address, n)");
+        return NULL;
+    }
+    _Atomic int32_t *w = bell_words(args[0]);
+    long n = PyLong_AsLong(args[1]);
+    if (w == NULL || (n == -1 && PyErr_Occurred())) return NULL;
+    atomic_fetch_add(&w[BELL_TAKEN], (int32_t)n);
+    Py_RETURN_NONE;
+}
+
+static PyObject *bell_wait(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    /* bell_wait(address, seen_all, poll_ns, idle_ns, timeout_ns) -> bool: True when it
+       took a token, when ALL moved past seen_all, or when a job queued at one tick is
+       still queued at the next (ticks every poll_ns; the first at the call); False after
+       timeout_ns (< 0: none). Parks (no ticks; a submission wakes it) after idle_ns
+       without a submission. The GIL is released throughout. Counts are compared as
+       differences (they wrap). */
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError,
+                        "bell_wait(address, seen_all, poll_ns, idle_ns, timeout_ns)");
+        return NULL;
+    }
+    _Atomic int32_t *w = bell_words(args[0]);
+    long seen_all = PyLong_AsLong(args[1]);
+    long long poll = PyLong_AsLongLong(args[2]), idle = PyLong_AsLongLong(args[3]);
+    long long timeout = PyLong_AsLongLong(args[4]);
+    if (w == NULL || PyErr_Occurred()) return NULL;
+    if (poll <= 0) poll = 1;
+    int got = 0;
+    Py_BEGIN_ALLOW_THREADS
+    int64_t now = mono_ns(), deadline = timeout < 0 ? INT64_MAX : now + timeout;
+    int64_t active = now;  /* the last tick that saw a new submission */
+    uint32_t last = (uint32_t)atomic_load(&w[BELL_SUBMITTED]);
+    uint32_t queued = last;  /* jobs up to here were queued at the previous tick */
+    atomic_fetch_add(&w[BELL_WAITERS], 1);
+    for (;;) {
+        /* SEQ first: a ring after this load (which bumps SEQ after its word) ends the
+           sleep below at once, so no ring falls between the checks and the sleep */
+        int32_t seq = atomic_load(&w[BELL_SEQ]);
+        if (atomic_load(&w[BELL_ALL]) != (int32_t)seen_all || bell_take_token(w)) {
+            got = 1;
+            break;
+        }
+        uint32_t sub = (uint32_t)atomic_load(&w[BELL_SUBMITTED]);
+        uint32_t taken = (uint32_t)atomic_load(&w[BELL_TAKEN]);
+        if ((int32_t)(queued - taken) > 0) {  /* queued at the last tick, still queued */
+            got = 1;
+            break;
+        }
+        now = mono_ns();
+        if (sub != last) {
+            last = sub;
+            active = now;
+        }
+        queued = sub;
+        if (now >= deadline) break;
+        if (now - active >= idle) {
+            atomic_fetch_add(&w[BELL_PARKED], 1);  /* then SUBMITTED: see bell_ring */
+            if ((uint32_t)atomic_load(&w[BELL_SUBMITTED]) == sub &&
+                atomic_load(&w[BELL_ALL]) == (int32_t)seen_all &&
+                atomic_load(&w[BELL_TOKENS]) == 0)
+                bell_sleep(&w[BELL_SEQ], seq, deadline == INT64_MAX ? -1 : deadline - now);
+            atomic_fetch_sub(&w[BELL_PARKED], 1);
+            active = mono_ns();  /* a job woke it: one tick more before it is taken */
+        } else {
+            int64_t left = deadline - now;
+            bell_sleep(&w[BELL_SEQ], seq, left < poll ? left : poll);
+        }
+    }
+    atomic_fetch_sub(&w[BELL_WAITERS], 1);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(got);
+}
+
 static PyMethodDef module_methods[] = {
     {"_go", (PyCFunction)(void (*)(void))lane_go, METH_FASTCALL,
      "A lane's collective, run by Executor.run_inline."},
+    {"bell_ring", (PyCFunction)(void (*)(void))bell_ring, METH_FASTCALL,
+     "bell_ring(address, kind): a job queued (0), one worker needed now (1), all (2)."},
+    {"bell_taken", (PyCFunction)(void (*)(void))bell_taken, METH_FASTCALL,
+     "bell_taken(address, n): n queued jobs left the queue."},
+    {"bell_wait", (PyCFunction)(void (*)(void))bell_wait, METH_FASTCALL,
+     "bell_wait(address, seen_all, poll_ns, idle_ns, timeout_ns) -> bool (GIL "
+     "released)."},
     {NULL}};
 
 static struct PyModuleDef lane_module = {
@@ -832,5 +1014,6 @@ PyMODINIT_FUNC PyInit__lane(void) {
         return NULL;
     }
     PyModule_AddIntConstant(m, "N_OPS", N_OPS);
+    PyModule_AddIntConstant(m, "BELL_WORDS", BELL_WORDS);
     return m;
 }

@@ -29,12 +29,19 @@ always has a thread that executes it and one that completes it, and a job that c
 finish fails by its own collective timeout, which fails its future: every wait ends.
 Callbacks of earlier operations may run on a thread waiting for a later one (as they
 always did here); a Work's own callbacks have run when its wait() returns (as with gloo).
+
+Waking. The workers sleep on a Doorbell (doorbell.py) where the C extension is built: a
+submission rings it and a worker takes the GIL only if the job is still queued a grace
+period later (its submitter usually waits for it first and runs it); every other wake-up
+is urgent. Without it (or with DOORBELL False: a subclass's own scheme) the condition
+wakes them.
 """
 
 import collections
 import threading
 import time
 
+from .doorbell import Doorbell
 from .executor_workers import WorkerSet
 from .work import torch_error
 
@@ -60,6 +67,8 @@ class Executor:
     # lose their order: DDP's bucket division and copy-back of a 25 MiB bucket took
     # 15-49 ms on this 2-core VM at load average 9 (one thread, pages touched first).
     COMPLETION_GRACE_S = 0.1
+    DOORBELL = True  # the workers sleep on a Doorbell where one can be made
+
 
     def __init__(self, name, on_abort=None):
         self._cv = threading.Condition()
@@ -74,6 +83,7 @@ class Executor:
         self.inline_busy = False  # a synchronous op is running on a caller's thread
         self._stop_reason = "shut down"
         self._on_abort = on_abort
+        self._bell = Doorbell.create() if self.DOORBELL else None
         self._workers = WorkerSet(name, self._cv)
         with self._cv:
             self._workers.start(False, self._thread_init, self._serve)
@@ -128,13 +138,20 @@ class Executor:
             with self._cv:
                 if not self._queue:
                     return
-                job = self._queue.popleft()
+                job = self._take()
             job.execute()
             with self._cv:
                 self._completions.append(job)
                 if until is None:
-                    self._cv.notify()
+                    self._wake()
                     self._ensure_free_worker()
+
+    def expedite(self):
+        """A job's future was asked for: it may be waited for where no thread can run it
+        (a torch future's C++ wait), so a worker runs the queue now, not a look later."""
+        with self._cv:
+            if self._queue:
+                self._wake()
 
     # -- completing ------------------------------------------------------------------------
 
@@ -144,7 +161,7 @@ class Executor:
         with self._cv:
             if not self._stopped:
                 self._completions.append(job)
-                self._cv.notify()
+                self._wake()
                 self._ensure_free_worker()
                 return
         job.complete()
@@ -153,7 +170,7 @@ class Executor:
         """Holding _cv: the completer is in the callbacks of a complete future, and issued
         work from one of them or has been there for COMPLETION_GRACE_S."""
         job = self._completing
-        return self._completer is not None and job is not None and job.future.done() and (
+        return self._completer is not None and job is not None and job.in_callbacks and (
             self._nested or time.monotonic() - self._completing_since > self.COMPLETION_GRACE_S)
 
     def _complete_in_order(self, claimed=False, steal=False):
@@ -239,7 +256,7 @@ class Executor:
             return True
         try:
             with self._cv:
-                job = self._queue.popleft() if self._queue else None
+                job = self._take() if self._queue else None
             if job is not None:
                 job.execute()
                 with self._cv:  # before _running goes: a thread that runs the next job
@@ -250,19 +267,45 @@ class Executor:
             self._complete_in_order()
         return True
 
+    def _take(self):
+        """Holding _cv: the next queued job, off the queue."""
+        if self._bell is not None:
+            self._bell.taken()
+        return self._queue.popleft()
+
+    def _wake(self, everyone=False):
+        """Holding _cv: wake a worker now (all threads waiting, with `everyone`)."""
+        if self._bell is not None:
+            self._bell.urgent(everyone)
+        if everyone:
+            self._cv.notify_all()
+        else:
+            self._cv.notify()
+
     # -- hooks for subclasses --------------------------------------------------------------
 
     def _thread_init(self):
         """First thing every worker thread does; subclasses bind thread state here."""
 
     def _submitted(self):
-        """Called (holding _cv) after a job was queued: wake a worker."""
-        self._cv.notify()
+        """Called (holding _cv) after a job was queued: wake a worker (the doorbell's
+        after its grace, see doorbell.py)."""
+        if self._bell is not None:
+            self._bell.job()
+        self._cv.notify()  # a worker waiting on the condition (_serve's busy retry)
 
     def _idle_wait(self, helper, timeout):
         """Wait (holding _cv) for work, stop, or `timeout` seconds (None: no limit).
         Subclasses may poll instead."""
-        self._cv.wait(timeout)
+        if self._bell is None:
+            self._cv.wait(timeout)
+            return
+        seen = self._bell.snapshot()  # rings are made holding _cv: none is missed
+        self._cv.release()
+        try:
+            self._bell.wait(seen, timeout)
+        finally:
+            self._cv.acquire()
 
     def _woken(self):
         """Called (holding _cv) once a worker has work or must stop."""
@@ -305,13 +348,15 @@ class Executor:
                 self._stop_reason = reason
             self._stopped = True
             busy = bool(self._queue) or self._running.locked()
-            self._cv.notify_all()
+            self._wake(everyone=True)
         if busy and abort_pending and self._on_abort is not None:
             self._on_abort()
         idle = self._running.acquire(timeout=join_timeout_s)
         try:
             with self._cv:
                 pending, self._queue = list(self._queue), collections.deque()
+                if self._bell is not None:
+                    self._bell.taken(len(pending))
                 for job in pending:
                     job.fail(torch_error(RuntimeError(
                         f"{job.name}: the process group was {self._stop_reason} before "

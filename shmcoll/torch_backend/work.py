@@ -56,10 +56,15 @@ class Job:
     Two halves, run by the Executor at different places: execute() runs the operation
     (holding the executor's running lock: one at a time, in issue order), complete() then
     settles the future and the event (never holding that lock, and in issue order: the
-    future's callbacks run there, and they may issue and wait for further operations)."""
+    future's callbacks run there, and they may issue and wait for further operations).
 
-    __slots__ = ("name", "fn", "outputs", "event", "error", "future", "_settled",
-                 "source_rank", "finished")
+    The future is made when first asked for (`future`: Work.get_future, DDP's C++, a
+    callback), complete already if the job is: most async ops are only waited for, and
+    two torch futures and a `then` cost more than the rest of an async op's Python
+    (docs/notes/2026-11-29-async-ops.md)."""
+
+    __slots__ = ("name", "fn", "outputs", "event", "error", "_future", "_settled", "_lock",
+                 "_completed", "source_rank", "finished")
 
     def __init__(self, name, fn, outputs):
         self.name = name
@@ -67,16 +72,36 @@ class Job:
         self.outputs = outputs
         self.event = threading.Event()
         self.error = None
-        # The future users and torch's C++ (DDP's Reducer) see is a `then` of a private
-        # one: a failure raised in that callback puts the future in torch's error state.
-        # Future.set_exception(e) would not: it sets `e` as the *value*, with an unwrap
-        # function only Python's wait() applies; DDP's C++ took the exception object for
-        # its tensors (a segfault; before, only torch's failure to pickle our errors
-        # turned it into an error).
-        self._settled = torch.futures.Future()
-        self.future = self._settled.then(self._result)
+        self._future = self._settled = None
+        self._lock = threading.Lock()  # _future, _settled and _completed
+        self._completed = False
         self.source_rank = -1
         self.finished = False
+
+    @property
+    def future(self):
+        """The future users and torch's C++ (DDP's Reducer) see: a `then` of a private one,
+        so a failure raised in that callback puts it in torch's error state.
+        Future.set_exception(e) would not: it sets `e` as the *value*, with an unwrap
+        function only Python's wait() applies; DDP's C++ took the exception object for
+        its tensors (a segfault; before, only torch's failure to pickle our errors turned
+        it into an error)."""
+        with self._lock:
+            if self._future is None:
+                settled = torch.futures.Future()
+                self._future = settled.then(self._result)
+                if self._completed:  # no callbacks of anyone's yet: settle it here
+                    settled.set_result(None)
+                else:
+                    self._settled = settled
+            return self._future
+
+    @property
+    def in_callbacks(self):
+        """Its future is complete and complete() has not returned: the future's callbacks
+        are running (the Executor's completer is then maybe stuck in one)."""
+        future = self._future
+        return future is not None and future.done() and not self.event.is_set()
 
     @property
     def done(self):
@@ -95,10 +120,15 @@ class Job:
         self.finished = True  # (shutdown then knows nothing is pending)
 
     def complete(self):
-        """Settle the future (running its callbacks here), then the event: wait() returns
-        on the event, so `work.wait(); work.get_future().value()` never sees an incomplete
-        future, and, as with gloo, wait() returns after the callbacks ran."""
-        self._settled.set_result(None)
+        """Settle the future, if one was asked for (running its callbacks here), then the
+        event: wait() returns on the event, so `work.wait(); work.get_future().value()`
+        never sees an incomplete future, and, as with gloo, wait() returns after the
+        callbacks ran."""
+        with self._lock:
+            self._completed = True
+            settled, self._settled = self._settled, None
+        if settled is not None:
+            settled.set_result(None)
         self.event.set()
 
     def _result(self, _):
@@ -142,7 +172,10 @@ class ShmWork(Work):
         return True
 
     def _get_future(self):
-        return self._job.future
+        future = self._job.future
+        if not self._job.done:  # waited for through it, maybe from C++ (DDP's Reducer,
+            self._executor.expedite()  # torch.futures.wait_all), which cannot run it
+        return future
 
     def is_completed(self):
         return self._job.event.is_set()
