@@ -30,11 +30,12 @@ finish fails by its own collective timeout, which fails its future: every wait e
 Callbacks of earlier operations may run on a thread waiting for a later one (as they
 always did here); a Work's own callbacks have run when its wait() returns (as with gloo).
 
-Waking. The workers sleep on a Doorbell (doorbell.py) where the C extension is built: a
-submission rings it and a worker takes the GIL only if the job is still queued a grace
-period later (its submitter usually waits for it first and runs it); every other wake-up
-is urgent. Without it (or with DOORBELL False: a subclass's own scheme) the condition
-wakes them.
+Waking. The workers sleep on a Doorbell (doorbell.py) where the C extension is built,
+with the GIL released: a submission wakes nobody, a worker looks every millisecond and
+takes the GIL only for a job still queued a look later (its submitter usually waits for it
+first and runs it), and parks when submissions stop; every other wake-up is urgent,
+including a job whose future was asked for (expedite: C++ waits cannot run it). Without it
+(or with DOORBELL False: a subclass's own scheme) the condition wakes them.
 """
 
 import collections
@@ -68,7 +69,6 @@ class Executor:
     # 15-49 ms on this 2-core VM at load average 9 (one thread, pages touched first).
     COMPLETION_GRACE_S = 0.1
     DOORBELL = True  # the workers sleep on a Doorbell where one can be made
-
 
     def __init__(self, name, on_abort=None):
         self._cv = threading.Condition()
@@ -288,8 +288,8 @@ class Executor:
         """First thing every worker thread does; subclasses bind thread state here."""
 
     def _submitted(self):
-        """Called (holding _cv) after a job was queued: wake a worker (the doorbell's
-        after its grace, see doorbell.py)."""
+        """Called (holding _cv) after a job was queued: the doorbell's worker takes it a
+        look later unless someone has (doorbell.py); else wake a worker."""
         if self._bell is not None:
             self._bell.job()
         self._cv.notify()  # a worker waiting on the condition (_serve's busy retry)
