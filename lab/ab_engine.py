@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from lab.ranks import run_ranks
+
 __all__ = ["main"]
 
 _HERE = Path(__file__).resolve().parent.parent
@@ -146,17 +148,9 @@ def main(argv=None):
                            "all_to_all_single"}
     if bad:
         ap.error(f"unknown ops {sorted(bad)}")
-    import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory(prefix="shmcoll-ab-engine-") as tmp:
         path = str(_export(args.base, tmp))
-        ctx = mp.get_context("spawn")
-        queue = ctx.Queue()
-        procs = [ctx.Process(target=_rank, args=(r, path, args, queue)) for r in range(2)]
-        for p in procs:
-            p.start()
-        results = dict(queue.get(timeout=3600) for _ in procs)
-        for p in procs:
-            p.join(60)
+        results = run_ranks(_rank, 2, lambda r: (r, path, args), timeout_s=3600)
     print(f"A = {args.base}, B = this tree; {args.blocks} blocks of {args.calls} calls each, "
           f"alternating; slowest rank per block")
     print(f"{'op':<11} {'bytes':>10} {'A us':>9} {'B us':>9} {'B/A':>6} {'B won':>6}")

@@ -15,7 +15,6 @@ of the slowest rank.
 """
 
 import argparse
-import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -23,6 +22,7 @@ import tempfile
 import time
 
 from benchmarks.sizes import parse_size
+from lab.ranks import run_ranks
 
 __all__ = ["main"]
 
@@ -75,20 +75,12 @@ def main(argv=None):
     ap.add_argument("--buffers", choices=("torch", "numpy"), default="torch")
     args = ap.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
-    ctx = mp.get_context("spawn")
     for variant in args.variants.split(","):
         if variant not in _ENV:
             ap.error(f"unknown variant {variant!r} (known: {sorted(_ENV)})")
         with tempfile.TemporaryDirectory(prefix="shmcoll-a2a-lab-") as tmp:
-            queue = ctx.Queue()
-            procs = [ctx.Process(target=_rank, args=(r, args.world_size, tmp + "/store",
-                                                      sizes, variant, args.buffers, queue))
-                     for r in range(args.world_size)]
-            for p in procs:
-                p.start()
-            results = dict(queue.get(timeout=1800) for _ in procs)
-            for p in procs:
-                p.join(60)
+            results = run_ranks(_rank, args.world_size, lambda r: (
+                r, args.world_size, tmp + "/store", sizes, variant, args.buffers))
         row = "  ".join(f"{n >> 10}K {max(r[n] for r in results.values()) * 1e6:.0f} us"
                         for n in sizes)
         print(f"{variant:<9} {row}", flush=True)

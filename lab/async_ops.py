@@ -22,6 +22,8 @@ import sys
 import tempfile
 import time
 
+from lab.ranks import run_ranks
+
 __all__ = ["main"]
 
 
@@ -84,18 +86,9 @@ def main(argv=None):
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args(argv)
-    import torch.multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="shmcoll-async-ops-") as tmp:
-        procs = [ctx.Process(target=_rank, args=(r, args.world_size, args.backend, tmp,
-                                                 args.rounds, queue))
-                 for r in range(args.world_size)]
-        for p in procs:
-            p.start()
-        results = dict(queue.get(timeout=1800) for _ in procs)
-        for p in procs:
-            p.join(60)
+        results = run_ranks(_rank, args.world_size, lambda r: (
+            r, args.world_size, args.backend, tmp, args.rounds))
     print(f"backend {args.backend}, {args.world_size} ranks; median of blocks of 20 calls "
           f"(slowest rank), us")
     for name in results[0]:

@@ -16,7 +16,6 @@ pages; the groups are told so) or, with --numpy, numpy arrays (huge pages from 4
 """
 
 import argparse
-import multiprocessing
 import os
 import statistics
 import sys
@@ -25,6 +24,7 @@ import time
 from unittest import mock
 
 from benchmarks.sizes import parse_size
+from lab.ranks import run_ranks
 
 __all__ = ["main"]
 
@@ -122,20 +122,9 @@ def main(argv=None):
     args.sizes = [parse_size(s) for s in args.sizes.split(",")]
     texts = argv[cut + 1:]
     configs = _configs(texts)
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as store_dir:
-        procs = [ctx.Process(target=_rank, args=(r, args.world_size, store_dir, args, configs,
-                                                 queue)) for r in range(args.world_size)]
-        for proc in procs:
-            proc.start()
-        try:
-            results = dict(queue.get(timeout=1800) for _ in procs)
-        finally:
-            for proc in procs:
-                proc.join(60)
-                if proc.is_alive():
-                    proc.kill()
+        results = run_ranks(_rank, args.world_size, lambda r: (
+            r, args.world_size, store_dir, args, configs))
     print(f"{args.op}, {args.world_size} ranks, {'numpy' if args.numpy else 'torch'} buffers, "
           f"{args.blocks} blocks; us per call (ratio to the first configuration)")
     for nbytes in args.sizes:

@@ -19,6 +19,8 @@ import sys
 import tempfile
 import time
 
+from lab.ranks import run_ranks
+
 __all__ = ["main"]
 
 OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all")
@@ -118,17 +120,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     args.ops = args.ops.split(",")
     args.sizes = [_parse_size(s) for s in args.sizes.split(",")]
-    import torch.multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as path:
-        procs = [ctx.Process(target=_worker, args=(r, path, args, queue))
-                 for r in range(args.world_size)]
-        for p in procs:
-            p.start()
-        results = dict(queue.get(timeout=1800) for _ in procs)
-        for p in procs:
-            p.join(60)
+        results = run_ranks(_worker, args.world_size, lambda r: (r, path, args))
     bad = [r for r in results.values() if isinstance(r, BaseException)]
     if bad:
         raise SystemExit(f"lane_ab: a rank failed: {bad[0]!r}")
