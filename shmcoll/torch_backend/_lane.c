@@ -835,6 +835,18 @@ static _Atomic int32_t *bell_words(PyObject *address) {
     return (_Atomic int32_t *)(intptr_t)a;
 }
 
+static _Atomic int32_t *bell_args(PyObject *const *args, Py_ssize_t nargs,
+                                  const char *usage, long *value) {
+    /* (address, value): bell_ring's and bell_taken's arguments; NULL with the error set */
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, usage);
+        return NULL;
+    }
+    _Atomic int32_t *w = bell_words(args[0]);
+    *value = PyLong_AsLong(args[1]);
+    return w == NULL || (*value == -1 && PyErr_Occurred()) ? NULL : w;
+}
+
 static void bell_sleep(_Atomic int32_t *seq, int32_t seen, int64_t ns) {
     /* until SEQ moves past `seen`, or ns (< 0: no limit) have passed (or spuriously) */
 #ifdef __linux__
@@ -859,13 +871,9 @@ static void bell_wake(_Atomic int32_t *w, int n) {
 static PyObject *bell_ring(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     /* bell_ring(address, kind): RING_JOB, a job was queued (wakes a parked worker only);
        RING_ONE, one worker is needed now; RING_ALL, every worker is. */
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "bell_ring(address, kind)");
-        return NULL;
-    }
-    _Atomic int32_t *w = bell_words(args[0]);
-    long kind = PyLong_AsLong(args[1]);
-    if (w == NULL || (kind == -1 && PyErr_Occurred())) return NULL;
+    long kind;
+    _Atomic int32_t *w = bell_args(args, nargs, "bell_ring(address, kind)", &kind);
+    if (w == NULL) return NULL;
     if (kind == RING_JOB) {
         atomic_fetch_add(&w[BELL_SUBMITTED], 1);  /* then PARKED: see bell_wait's park */
         if (atomic_load(&w[BELL_PARKED]) > 0) bell_wake(w, 1);
@@ -891,13 +899,9 @@ static int bell_take_token(_Atomic int32_t *w) {
 
 static PyObject *bell_taken(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     /* bell_taken(address, n): n queued jobs left the queue (to run, or to fail). */
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "bell_taken(address, n)");
-        return NULL;
-    }
-    _Atomic int32_t *w = bell_words(args[0]);
-    long n = PyLong_AsLong(args[1]);
-    if (w == NULL || (n == -1 && PyErr_Occurred())) return NULL;
+    long n;
+    _Atomic int32_t *w = bell_args(args, nargs, "bell_taken(address, n)", &n);
+    if (w == NULL) return NULL;
     atomic_fetch_add(&w[BELL_TAKEN], (int32_t)n);
     Py_RETURN_NONE;
 }
