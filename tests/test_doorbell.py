@@ -229,3 +229,50 @@ def test_a_failed_job_puts_its_future_in_the_error_state_whenever_it_is_asked_fo
         with pytest.raises(RuntimeError, match="boom"):
             fut.wait()
         assert not job.in_callbacks
+
+
+@pytest.mark.parametrize("poll_ns,idle_ns", [(1_000_000, 50_000_000), (200_000, 300_000)])
+def test_mixed_waits_from_several_threads_all_finish_in_issue_order(poll_ns, idle_ns):
+    """Jobs from three threads, each waited by Work-style wait(), by a future's C++ wait
+    (torch.futures.wait_all, after get_future's expedite), or not at all, with pauses long
+    enough for the worker to park (second case): every job runs once, in issue order, and
+    every future completes."""
+    import random
+    ex = _executor(poll_ns)
+    if ex._bell is not None:
+        ex._bell.idle_ns = idle_ns
+    ran, lock = [], threading.Lock()
+    jobs, errors = [], []
+
+    def issue(tid):
+        rng = random.Random(tid)
+        try:
+            for i in range(60):
+                with lock:  # issue order = the order jobs enter the queue
+                    job = ex.submit(Job(f"t{tid}-{i}", lambda n=len(jobs): ran.append(n), []))
+                    jobs.append(job)
+                how = rng.random()
+                if how < 0.4:
+                    assert ex.wait(job)
+                elif how < 0.7:
+                    fut = job.future
+                    ex.expedite()
+                    torch.futures.wait_all([fut])
+                if rng.random() < 0.05:
+                    time.sleep(idle_ns / 1e9 * 2)  # long enough to park
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=issue, args=(t,), daemon=True) for t in range(3)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(LONG_S)
+        assert not errors and not any(t.is_alive() for t in threads)
+        _until(lambda: all(j.event.is_set() for j in jobs))
+        assert ran == list(range(len(jobs)))
+        assert all(j.future.done() and j.error is None for j in jobs)
+        if ex._bell is not None:
+            assert ex._bell.pending == 0
+    finally:
+        assert ex.stop()
