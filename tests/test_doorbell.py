@@ -143,16 +143,21 @@ def test_bad_addresses_are_refused():
 
 # -- the Executor on its doorbell ----------------------------------------------------------
 
-def _executor(poll_ns):
+def _executor(monkeypatch, poll_ns, idle_ns=doorbell.IDLE_NS):
+    """An Executor whose doorbell looks every poll_ns from its worker's first wait, once
+    its worker sleeps on it (else the worker's first round finds the queue itself)."""
+    if doorbell._lane is not None:
+        monkeypatch.setattr(doorbell.Doorbell, "create",
+                            classmethod(lambda cls: cls(poll_ns=poll_ns, idle_ns=idle_ns)))
     ex = Executor("test-bell")
     if ex._bell is not None:
-        ex._bell.poll_ns = poll_ns
+        _until(lambda: ex._bell.waiting == 1)
     return ex
 
 
 @needs_bell
-def test_a_submitter_that_waits_runs_its_job_itself():
-    ex = _executor(poll_ns=10**9)  # the worker would take it only a second later
+def test_a_submitter_that_waits_runs_its_job_itself(monkeypatch):
+    ex = _executor(monkeypatch, poll_ns=10**9)  # the worker would take it only a second later
     try:
         ran_on = []
         for i in range(20):
@@ -165,9 +170,23 @@ def test_a_submitter_that_waits_runs_its_job_itself():
         assert ex.stop()
 
 
+@needs_bell
+def test_a_wait_with_a_deadline_has_the_worker_run_the_job_at_once(monkeypatch):
+    ex = _executor(monkeypatch, poll_ns=10**10)  # a look would come 10 s later
+    try:
+        ran_on = []
+        job = ex.submit(Job("deadline", lambda: ran_on.append(threading.current_thread()),
+                            []))
+        t0 = time.monotonic()
+        assert ex.wait(job, timeout_s=LONG_S)
+        assert time.monotonic() - t0 < 5.0 and ran_on[0] is not threading.current_thread()
+    finally:
+        assert ex.stop()
+
+
 @pytest.mark.parametrize("poll_ns", [1_000_000, 50_000_000])
-def test_a_job_nobody_waits_for_runs_on_the_worker(poll_ns):
-    ex = _executor(poll_ns)
+def test_a_job_nobody_waits_for_runs_on_the_worker(monkeypatch, poll_ns):
+    ex = _executor(monkeypatch, poll_ns)
     try:
         ran = threading.Event()
         ran_on = []
@@ -181,10 +200,9 @@ def test_a_job_nobody_waits_for_runs_on_the_worker(poll_ns):
         assert ex.stop()
 
 
-def test_stop_wakes_a_parked_worker_and_fails_what_is_queued():
-    ex = Executor("test-bell-stop")
+def test_stop_wakes_a_parked_worker_and_fails_what_is_queued(monkeypatch):
+    ex = _executor(monkeypatch, doorbell.POLL_NS, idle_ns=1_000_000)
     if ex._bell is not None:
-        ex._bell.idle_ns = 1_000_000
         _until(lambda: ex._bell.parked == 1)
     t0 = time.monotonic()
     assert ex.stop()
@@ -232,15 +250,14 @@ def test_a_failed_job_puts_its_future_in_the_error_state_whenever_it_is_asked_fo
 
 
 @pytest.mark.parametrize("poll_ns,idle_ns", [(1_000_000, 50_000_000), (200_000, 300_000)])
-def test_mixed_waits_from_several_threads_all_finish_in_issue_order(poll_ns, idle_ns):
+def test_mixed_waits_from_several_threads_all_finish_in_issue_order(monkeypatch, poll_ns,
+                                                                    idle_ns):
     """Jobs from three threads, each waited by Work-style wait(), by a future's C++ wait
     (torch.futures.wait_all, after get_future's expedite), or not at all, with pauses long
     enough for the worker to park (second case): every job runs once, in issue order, and
     every future completes."""
     import random
-    ex = _executor(poll_ns)
-    if ex._bell is not None:
-        ex._bell.idle_ns = idle_ns
+    ex = _executor(monkeypatch, poll_ns, idle_ns)
     ran, lock = [], threading.Lock()
     jobs, errors = [], []
 

@@ -38,7 +38,7 @@ __all__ = ["Doorbell", "POLL_NS", "IDLE_NS"]
 POLL_NS = 1_000_000
 IDLE_NS = 50_000_000
 
-_SUBMITTED, _TAKEN, _ALL, _PARKED = 1, 2, 4, 5  # _lane.c's BELL_* words
+_SUBMITTED, _TAKEN, _ALL, _PARKED, _WAITERS = 1, 2, 4, 5, 6  # _lane.c's BELL_* words
 _JOB, _ONE, _EVERYONE = 0, 1, 2  # _lane.c's RING_* kinds
 
 
@@ -85,6 +85,11 @@ class Doorbell:
     def parked(self):
         """Threads asleep in wait() until a submission (tests)."""
         return int(self._words[_PARKED])
+
+    @property
+    def waiting(self):
+        """Threads in wait() (tests)."""
+        return int(self._words[_WAITERS])
 
     def wait(self, seen, timeout_s=None):
         """Sleep, GIL released, until an urgent ring this wait takes, a ring for everyone

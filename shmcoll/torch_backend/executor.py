@@ -315,8 +315,11 @@ class Executor:
     def wait(self, job, timeout_s=None):
         """Block until `job` is complete (its future settled, its callbacks run), executing
         and completing it here where no other thread does; with `timeout_s`, only until
-        then: False if the job has not finished by then."""
+        then: False if the job has not finished by then (a worker runs it: this thread
+        would not return at the deadline from inside the collective)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        if deadline is not None and not job.done:
+            self.expedite()  # a worker runs it now, not a doorbell look later
         while not job.event.is_set():
             if not job.done:
                 if deadline is None:
