@@ -1019,5 +1019,13 @@ PyMODINIT_FUNC PyInit__lane(void) {
     }
     PyModule_AddIntConstant(m, "N_OPS", N_OPS);
     PyModule_AddIntConstant(m, "BELL_WORDS", BELL_WORDS);
+    PyModule_AddIntConstant(m, "BELL_SUBMITTED", BELL_SUBMITTED);
+    PyModule_AddIntConstant(m, "BELL_TAKEN", BELL_TAKEN);
+    PyModule_AddIntConstant(m, "BELL_ALL", BELL_ALL);
+    PyModule_AddIntConstant(m, "BELL_PARKED", BELL_PARKED);
+    PyModule_AddIntConstant(m, "BELL_WAITERS", BELL_WAITERS);
+    PyModule_AddIntConstant(m, "RING_JOB", RING_JOB);
+    PyModule_AddIntConstant(m, "RING_ONE", RING_ONE);
+    PyModule_AddIntConstant(m, "RING_ALL", RING_ALL);
     return m;
 }

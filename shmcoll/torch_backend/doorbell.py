@@ -34,12 +34,12 @@ except ImportError:  # built without a C compiler: the Executor's condition wake
 __all__ = ["Doorbell", "POLL_NS", "IDLE_NS"]
 
 # The worker's looks while submissions come (an unwaited job starts 1-2 of them late) and
-# how long without one before it parks. Measured 2026-11-29 on the 2-core VM: see the note.
+# how long without one before it parks. Chosen, not tuned against other values: a look a
+# millisecond is below a 1 MiB async all_reduce's time on this 2-core VM (230-290 us at 2
+# ranks, 0.7-1.1 ms at 4) and costs a timer wake-up (no GIL) per ms while a group is in
+# use; 50 ms bridges the gaps between a training step's collectives.
 POLL_NS = 1_000_000
 IDLE_NS = 50_000_000
-
-_SUBMITTED, _TAKEN, _ALL, _PARKED, _WAITERS = 1, 2, 4, 5, 6  # _lane.c's BELL_* words
-_JOB, _ONE, _EVERYONE = 0, 1, 2  # _lane.c's RING_* kinds
 
 
 class Doorbell:
@@ -59,17 +59,17 @@ class Doorbell:
         """The count of rings for every worker now: what a wait() after it compares
         against (take it holding the lock the rings are made under, so no ring falls
         between the check and the sleep)."""
-        return int(self._words[_ALL])
+        return int(self._words[_lane.BELL_ALL])
 
     def job(self):
         """A job was queued: a worker runs it unless someone takes it first (see above)."""
-        _lane.bell_ring(self._address, _JOB)
+        _lane.bell_ring(self._address, _lane.RING_JOB)
 
     def urgent(self, everyone=False):
         """A worker is needed now (completions to complete, a job waited for where it
         cannot run): one wait() returns, as for a condition's notify(); with `everyone`
         (stop), every wait() does."""
-        _lane.bell_ring(self._address, _EVERYONE if everyone else _ONE)
+        _lane.bell_ring(self._address, _lane.RING_ALL if everyone else _lane.RING_ONE)
 
     def taken(self, n=1):
         """n queued jobs left the queue (run, or failed at stop)."""
@@ -79,17 +79,17 @@ class Doorbell:
     @property
     def pending(self):
         """Jobs queued and not yet taken (tests)."""
-        return int(self._words[_SUBMITTED]) - int(self._words[_TAKEN])
+        return int(self._words[_lane.BELL_SUBMITTED]) - int(self._words[_lane.BELL_TAKEN])
 
     @property
     def parked(self):
         """Threads asleep in wait() until a submission (tests)."""
-        return int(self._words[_PARKED])
+        return int(self._words[_lane.BELL_PARKED])
 
     @property
     def waiting(self):
         """Threads in wait() (tests)."""
-        return int(self._words[_WAITERS])
+        return int(self._words[_lane.BELL_WAITERS])
 
     def wait(self, seen, timeout_s=None):
         """Sleep, GIL released, until an urgent ring this wait takes, a ring for everyone
