@@ -4,7 +4,6 @@ import numpy as np
 
 from ..native.single_copy import CMA, NONE
 from ..protocol import A2A_TABLE_WORDS, STREAM_RING, a2a_head_nbytes
-from .all_reduce import STREAM_NBYTES
 
 __all__ = ["all_to_all_direct", "all_to_all_read", "all_to_all_finish", "rides",
            "exchange_split_table"]
@@ -21,6 +20,14 @@ MAX_MESSAGE_NBYTES = 1 << 48  # larger than any array this host can hold
 # keep single copy (lab.config_ab, one array, streamed / CMA: 3 ranks 8 MiB 1.02, 16 MiB
 # 1.05; 4 ranks 1.14 and 1.17).
 STREAM_MAX_WORLD = 2
+# ... in sub-chunks of at most this many bytes per piece and step. Measured 2026-11-29, 2
+# ranks, torch buffers, lab.all_to_all_transport (default: 512 KiB sub-chunks above a 4 MiB
+# slot; slot512k: streamed in ~128 KiB), three alternated runs, us: 8 MiB 1157 1067 1421
+# vs 913 957 915 (the rows' spread is the machine's: runs were not interleaved); 4 MiB
+# (riding vs 128 KiB streamed) 443 318 621 vs 399 407 399. Interleaved (lab.ab_engine, 16
+# blocks, this size / 512 KiB time, share of blocks won): all_to_all_single 8 MiB 0.94 (94%),
+# 16 MiB 0.94 (88%); the list form 0.98 (50%), 0.95 (94%); 64 KiB: 0.89 (94%), 0.97 (88%).
+STREAM_SUB_NBYTES = 128 << 10
 
 
 def all_to_all_direct(arena, ins, outs):
@@ -162,7 +169,8 @@ def _streamed(arena, i, head, ins, outs, rows):
     the writer's cache. The step count comes from the group's table, the same on every
     rank. Bytes per rank: read and write S through the slot twice, as riding does."""
     world, rank = arena.world_size, arena.rank
-    sub = min(STREAM_NBYTES, (arena.slot_nbytes - head) // (STREAM_RING * world)) // 64 * 64
+    sub = min(STREAM_SUB_NBYTES,
+              (arena.slot_nbytes - head) // (STREAM_RING * world)) // 64 * 64
     longest = max(max(row[:world]) for row in rows)
     arena.exchange_all_to_all(i, np.array([a.ctypes.data for a in ins], np.int64),
                               np.array(rows[rank][:world], np.int64),
