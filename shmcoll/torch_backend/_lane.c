@@ -77,11 +77,13 @@ static PyObject *s_layout, *s_is_cpu, *s_requires_grad, *s_is_contiguous, *s_is_
 static PyObject DECLINE_OBJ;
 #define DECLINE (&DECLINE_OBJ)
 
-static double now(clockid_t which) {
+static int64_t clock_ns(clockid_t which) {
     struct timespec ts;
     clock_gettime(which, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
+
+static double now(clockid_t which) { return clock_ns(which) * 1e-9; }
 
 /* Whether `v` (a new reference, released here; NULL: an error) is `want` (identity): 1, 0,
    or -1 on the error. */
@@ -819,12 +821,6 @@ enum { BELL_SEQ, BELL_SUBMITTED, BELL_TAKEN, BELL_TOKENS, BELL_ALL, BELL_PARKED,
        BELL_WAITERS, BELL_WORDS };
 enum { RING_JOB, RING_ONE, RING_ALL };  /* bell_ring's kinds */
 
-static int64_t mono_ns(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec;
-}
-
 static _Atomic int32_t *bell_words(PyObject *address) {
     long long a = PyLong_AsLongLong(address);
     if (a == -1 && PyErr_Occurred()) return NULL;
@@ -926,8 +922,8 @@ static PyObject *bell_wait(PyObject *module, PyObject *const *args, Py_ssize_t n
     if (poll <= 0) poll = 1;
     int got = 0;
     Py_BEGIN_ALLOW_THREADS
-    int64_t now = mono_ns(), deadline = timeout < 0 ? INT64_MAX : now + timeout;
-    int64_t active = now;  /* the last tick that saw a new submission */
+    int64_t t = clock_ns(CLOCK_MONOTONIC), deadline = timeout < 0 ? INT64_MAX : t + timeout;
+    int64_t active = t;  /* the last tick that saw a new submission */
     uint32_t last = (uint32_t)atomic_load(&w[BELL_SUBMITTED]);
     uint32_t queued = last;  /* jobs up to here were queued at the previous tick */
     atomic_fetch_add(&w[BELL_WAITERS], 1);
@@ -945,23 +941,23 @@ static PyObject *bell_wait(PyObject *module, PyObject *const *args, Py_ssize_t n
             got = 1;
             break;
         }
-        now = mono_ns();
+        t = clock_ns(CLOCK_MONOTONIC);
         if (sub != last) {
             last = sub;
-            active = now;
+            active = t;
         }
         queued = sub;
-        if (now >= deadline) break;
-        if (now - active >= idle) {
+        if (t >= deadline) break;
+        if (t - active >= idle) {
             atomic_fetch_add(&w[BELL_PARKED], 1);  /* then SUBMITTED: see bell_ring */
             if ((uint32_t)atomic_load(&w[BELL_SUBMITTED]) == sub &&
                 atomic_load(&w[BELL_ALL]) == (int32_t)seen_all &&
                 atomic_load(&w[BELL_TOKENS]) == 0)
-                bell_sleep(&w[BELL_SEQ], seq, deadline == INT64_MAX ? -1 : deadline - now);
+                bell_sleep(&w[BELL_SEQ], seq, deadline == INT64_MAX ? -1 : deadline - t);
             atomic_fetch_sub(&w[BELL_PARKED], 1);
-            active = mono_ns();  /* a job woke it: one tick more before it is taken */
+            active = clock_ns(CLOCK_MONOTONIC);  /* a job woke it: one tick more before it is taken */
         } else {
-            int64_t left = deadline - now;
+            int64_t left = deadline - t;
             bell_sleep(&w[BELL_SEQ], seq, left < poll ? left : poll);
         }
     }
